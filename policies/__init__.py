@@ -1,0 +1,4 @@
+"""policies: pure decision functions (gates, statistics) and the promotion controller.
+
+Decides from metrics; never touches tensors.
+"""
