@@ -91,7 +91,7 @@ class Target:
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the features feed a head under autograd
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> "TargetFeatures":
         """One target forward: aux features and the final-norm hidden state (no LM head)."""
         return target_features(self.model, input_ids, attention_mask, self.aux_layer_ids)
