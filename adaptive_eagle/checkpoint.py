@@ -1,0 +1,586 @@
+"""Head checkpoints: the on-disk formats of a draft head, their validation and conversions.
+
+Owns: one version directory ``<version>/{config.json, model.safetensors, head.json}`` (SGLang's
+``LlamaForCausalLMEagle3`` layout plus our provenance), the one function that upgrades old or
+foreign config layouts (``upgrade_config``), the checks every load runs (``HeadValidationError``),
+export to vLLM ``speculators`` and import of SpecForge / official EAGLE-3 checkpoints. Must not
+touch: the head math (``draft_head.py``), the registry's champion pointer or promotion log, the
+network. Only safetensors and JSON are read or written; nothing is ever unpickled.
+
+Tensor names in ``model.safetensors`` are the head's state-dict keys minus ``embed_tokens.weight``
+(embeddings come from the target, frozen). Loading also accepts SGLang's / speculators'
+``layers.0.*`` for ``midlayer.*`` and an optional leading ``model.``.
+
+Aux-layer ids: ``adaptive_eagle.aux_layer_ids`` holds OUR convention (k = input of target layer k,
+see targets.py); ``eagle_config.eagle_aux_hidden_state_layer_ids`` holds k - 1 for SGLang; the
+speculators export writes k as is (vLLM captures the input of layer k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
+from adaptive_eagle.targets import Target, default_aux_layer_ids, from_sglang_config_layer_ids, sglang_config_layer_ids
+
+FORMAT_VERSION = 1
+CONFIG_FILE, WEIGHTS_FILE, META_FILE = "config.json", "model.safetensors", "head.json"
+EMBED_KEY = "embed_tokens.weight"
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYER_ID_CONVENTION = (
+    "aux_layer_ids[i] = k names the INPUT of target decoder layer k (transformers hidden_states[k]); "
+    "eagle_config.eagle_aux_hidden_state_layer_ids holds k - 1 because SGLang captures the input of "
+    "layer id + 1; vLLM / speculators take k as is"
+)
+
+
+class HeadValidationError(ValueError):
+    """A checkpoint was refused. The message names the file and the reason."""
+
+    def __init__(self, file: str | os.PathLike, reason: str) -> None:
+        self.file, self.reason = str(file), reason
+        super().__init__(f"{file}: {reason}")
+
+
+def utc_now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _pydantic_reason(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+
+
+# ---- head.json ------------------------------------------------------------------------------
+class _HeadMetaFile(BaseModel):
+    """head.json as read from disk (the boundary check behind HeadMeta.from_json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    format_version: int = Field(ge=1, description="layout version of the head directory")
+    version: str = Field(min_length=1, description="this head's version name (its directory name)")
+    parent: str | None = Field(description="version this head was fine-tuned from; null for a root")
+    target_name: str = Field(description="target the head drafts for")
+    target_fingerprint: str = Field(description="targets.fingerprint_dir of that target; '' = not pinned")
+    created: str = Field(description="ISO-8601 UTC time of saving")
+    data: dict[str, Any] = Field(default_factory=dict, description="training data summary (window, tokens)")
+    training: dict[str, Any] = Field(default_factory=dict, description="training recipe")
+    metrics: dict[str, Any] = Field(default_factory=dict, description="evaluation figures")
+    sha256: str = Field(pattern=r"^([0-9a-f]{64})?$", description="hex sha256 of model.safetensors")
+
+
+@dataclass(frozen=True)
+class HeadMeta:
+    """Provenance of one head version (head.json)."""
+
+    version: str
+    parent: str | None
+    target_name: str
+    target_fingerprint: str
+    created: str
+    data: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    sha256: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def new(cls, version: str, target_name: str, target_fingerprint: str, parent: str | None = None, **kw):
+        """A fresh meta stamped now (sha256 is filled in by save_head)."""
+        return cls(version=version, parent=parent, target_name=target_name,
+                   target_fingerprint=target_fingerprint, created=utc_now_iso(), **kw)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, file: str | os.PathLike = META_FILE) -> "HeadMeta":
+        try:
+            m = _HeadMetaFile.model_validate(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise HeadValidationError(file, f"malformed JSON ({e})") from None
+        except ValidationError as e:
+            raise HeadValidationError(file, _pydantic_reason(e)) from None
+        if m.format_version > FORMAT_VERSION:
+            raise HeadValidationError(file, f"format_version {m.format_version} is newer than this code")
+        return cls(**m.model_dump())
+
+
+# ---- config.json ----------------------------------------------------------------------------
+class _HeadConfigFile(BaseModel):
+    """The head-shaping fields of an upgraded config.json, with range checks."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    hidden_size: int = Field(gt=0, description="draft hidden width H (= target embedding width)")
+    target_hidden_size: int = Field(gt=0, description="width of each target aux feature")
+    intermediate_size: int = Field(gt=0, description="dense MLP width")
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0, description="the target's vocabulary")
+    draft_vocab_size: int = Field(gt=0, description="reduced draft vocabulary (lm_head rows)")
+    aux_layer_ids: tuple[int, ...] = Field(min_length=1, description="input-of-layer convention (targets.py)")
+    rms_norm_eps: float = Field(gt=0, lt=1)
+    rope_theta: float = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0)
+    num_experts: int = Field(ge=1, description="1 = dense MLP")
+    num_experts_per_tok: int = Field(ge=1)
+    moe_intermediate_size: int | None = Field(default=None, gt=0)
+    router_aux_loss_coef: float = Field(ge=0)
+
+
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "draft_vocab_size", "target_hidden_size", "rms_norm_eps", "rope_theta")
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef")
+
+
+def _config_json(f: dict, torch_dtype: str) -> dict:
+    """config.json (current layout) from DraftHeadConfig.to_dict()-shaped fields."""
+    ids = [int(k) for k in f["aux_layer_ids"]]
+    return {
+        "architectures": [SGLANG_ARCH], "model_type": "llama", "num_hidden_layers": 1,
+        **{k: f[k] for k in _SHAPE_KEYS},
+        "rope_scaling": None, "max_position_embeddings": f["max_position_embeddings"], "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": torch_dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_config_layer_ids(ids),
+                         "use_aux_hidden_state": True},
+        "adaptive_eagle": {"format_version": FORMAT_VERSION, **{k: f[k] for k in _MOE_KEYS}, "aux_layer_ids": ids,
+                           "layer_id_convention": LAYER_ID_CONVENTION},
+    }
+
+
+def _from_speculators(raw: dict) -> dict:
+    """A speculators ``eagle3`` config flattened to SGLang keys; aux ids kept as ours (no -1)."""
+    if raw.get("speculators_model_type") != "eagle3":
+        raise HeadValidationError(CONFIG_FILE, f"speculators_model_type {raw.get('speculators_model_type')!r} "
+                                               "is not eagle3")
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        if raw.get(flag):
+            raise HeadValidationError(CONFIG_FILE, f"speculators option {flag}=true is not supported by this head")
+    layer = dict(raw.get("transformer_layer_config") or {})
+    # speculators writes transformer_layer_config with to_diff_dict() (defaults left out) and reads it
+    # back through AutoConfig.for_model: resolve the defaults the same way
+    from transformers import AutoConfig
+
+    flat = AutoConfig.for_model(layer.pop("model_type", "llama"), **layer).to_dict()
+    flat.update(architectures=[SGLANG_ARCH], draft_vocab_size=raw.get("draft_vocab_size"),
+                target_hidden_size=raw.get("target_hidden_size"),
+                torch_dtype=raw.get("torch_dtype") or flat.get("torch_dtype"))
+    if raw.get("eagle_aux_hidden_state_layer_ids"):
+        flat["adaptive_eagle"] = {"aux_layer_ids": list(raw["eagle_aux_hidden_state_layer_ids"])}
+    return flat
+
+
+def _aux_ids(cfg: dict, block: dict, num_target_layers: int | None) -> list[int]:
+    sglang_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ours = block.get("aux_layer_ids")
+    from_sglang = None if sglang_ids is None else list(from_sglang_config_layer_ids(sglang_ids))
+    if ours is not None and from_sglang is not None and from_sglang != [int(k) for k in ours]:
+        raise HeadValidationError(CONFIG_FILE, f"eagle_config ids {list(sglang_ids)} (+1 = input of layer) disagree "
+                                               f"with adaptive_eagle.aux_layer_ids {list(ours)}")
+    if ours is None and from_sglang is None:
+        if num_target_layers is None:
+            raise HeadValidationError(CONFIG_FILE, "no aux layer ids (eagle_config absent): the default [2, L//2, "
+                                                   "L-3] depends on the target's layer count; pass the target")
+        return list(default_aux_layer_ids(num_target_layers))
+    return list(ours if ours is not None else from_sglang)
+
+
+def upgrade_config(raw: dict, *, num_target_layers: int | None = None) -> dict:
+    """Map any known config.json layout to the current one (what save_head writes).
+
+    Known layouts: ours (format_version 1); SGLang / SpecForge / official EAGLE-3
+    (``LlamaForCausalLMEagle3``, no ``adaptive_eagle`` block, maybe no ``eagle_config``); vLLM
+    speculators ``eagle3``. Without any aux ids, SGLang and vLLM capture [2, L//2, L-3] of the
+    target (input-of-layer, as ours): that needs ``num_target_layers``, else this raises.
+    """
+    if not isinstance(raw, dict):
+        raise HeadValidationError(CONFIG_FILE, "top level must be a JSON object")
+    cfg = _from_speculators(raw) if "speculators_model_type" in raw else dict(raw)
+    archs = cfg.get("architectures") or [SGLANG_ARCH]
+    if not any("Eagle3" in a for a in archs):
+        raise HeadValidationError(CONFIG_FILE, f"architectures {archs} is not an EAGLE-3 head")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise HeadValidationError(CONFIG_FILE, f"num_hidden_layers {cfg['num_hidden_layers']}: only 1-layer heads")
+    block = dict(cfg.get("adaptive_eagle") or {})
+    if block.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+        raise HeadValidationError(CONFIG_FILE, f"adaptive_eagle.format_version {block['format_version']} is newer")
+    required = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+    if missing := [k for k in required if cfg.get(k) is None]:
+        raise HeadValidationError(CONFIG_FILE, f"missing fields {missing}")
+    heads, hidden, vocab = cfg["num_attention_heads"], cfg["hidden_size"], cfg["vocab_size"]
+    fields = dict(
+        hidden_size=hidden, intermediate_size=cfg["intermediate_size"], num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // max(1, int(heads)),
+        vocab_size=vocab, draft_vocab_size=cfg.get("draft_vocab_size") or vocab,  # SGLang: None = full vocab
+        target_hidden_size=cfg.get("target_hidden_size") or hidden, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        aux_layer_ids=_aux_ids(cfg, block, num_target_layers),
+        num_experts=block.get("num_experts", 1), num_experts_per_tok=block.get("num_experts_per_tok", 2),
+        moe_intermediate_size=block.get("moe_intermediate_size"),
+        router_aux_loss_coef=block.get("router_aux_loss_coef", 0.01),
+    )
+    return _config_json(fields, str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise HeadValidationError(path, "missing")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeadValidationError(path, f"malformed JSON ({e})") from None
+
+
+def _config_from_dict(raw: dict, path: Path, target: Target | None) -> tuple[DraftHeadConfig, dict]:
+    try:
+        upgraded = upgrade_config(raw, num_target_layers=target.num_layers if target is not None else None)
+        flat = {**upgraded, **upgraded["adaptive_eagle"]}
+        return DraftHeadConfig(**_HeadConfigFile.model_validate(flat).model_dump()), upgraded
+    except HeadValidationError as e:
+        raise HeadValidationError(path, e.reason) from None
+    except ValidationError as e:
+        raise HeadValidationError(path, _pydantic_reason(e)) from None
+    except (ValueError, TypeError) as e:  # DraftHeadConfig.__post_init__ cross-field checks, non-int ids
+        raise HeadValidationError(path, str(e)) from None
+
+
+def read_config(directory: str | os.PathLike, target: Target | None = None) -> DraftHeadConfig:
+    """The DraftHeadConfig of a head directory (any known layout; see upgrade_config)."""
+    path = Path(directory) / CONFIG_FILE
+    return _config_from_dict(_read_json(path), path, target)[0]
+
+
+# ---- tensors --------------------------------------------------------------------------------
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _canonical_key(name: str) -> str:
+    name = name.removeprefix("model.")
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise HeadValidationError(path, "missing")
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise HeadValidationError(path, f"unreadable safetensors file, truncated or corrupt ({e})") from None
+
+
+def _check_tensors(head: Eagle3DraftHead, raw: dict[str, torch.Tensor], where: Path | str) -> dict[str, torch.Tensor]:
+    """Canonical names, then names / shapes / dtypes / finiteness / vocab map against `head`'s layout."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        key = _canonical_key(name)
+        if key in tensors:
+            raise HeadValidationError(where, f"tensor {name!r} duplicates {key!r}")
+        tensors[key] = t
+    tensors.pop(EMBED_KEY, None)  # embeddings always come from the target
+    expected = {k: v for k, v in head.state_dict().items() if k != EMBED_KEY}
+    if unexpected := sorted(set(tensors) - set(expected)):
+        raise HeadValidationError(where, f"unexpected tensors {unexpected}")
+    if missing := sorted(set(expected) - set(tensors)):
+        raise HeadValidationError(where, f"missing tensors {missing}")
+    for key, ref in expected.items():
+        t = tensors[key]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise HeadValidationError(where, f"tensor {key!r} has shape {list(t.shape)}, the config implies "
+                                             f"{list(ref.shape)}")
+        if ref.is_floating_point():
+            if not t.is_floating_point():
+                raise HeadValidationError(where, f"tensor {key!r} has dtype {t.dtype}, expected a floating dtype")
+            if not bool(torch.isfinite(t).all()):
+                raise HeadValidationError(where, f"tensor {key!r} has non-finite values (NaN or inf)")
+        elif t.dtype != ref.dtype and not (key == "d2t" and t.dtype == torch.int32):
+            raise HeadValidationError(where, f"tensor {key!r} has dtype {t.dtype}, expected {ref.dtype}")
+    _check_vocab_map(head.cfg, tensors["d2t"].long(), tensors["t2d"], where)
+    return tensors
+
+
+def _check_vocab_map(cfg: DraftHeadConfig, d2t: torch.Tensor, t2d: torch.Tensor, where: Path | str) -> None:
+    n = cfg.draft_vocab_size
+    if int(t2d.sum()) != n:
+        raise HeadValidationError(where, f"t2d marks {int(t2d.sum())} target tokens, draft_vocab_size is {n}")
+    ids = torch.arange(n) + d2t  # [draft_vocab] target id of each draft id
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        raise HeadValidationError(where, f"d2t maps draft ids outside the target vocab [0, {cfg.vocab_size})")
+    if ids.unique().numel() != n or not bool(t2d[ids].all()):
+        raise HeadValidationError(where, "d2t and t2d disagree: arange + d2t must hit exactly the True rows of t2d")
+
+
+def _check_target(cfg: DraftHeadConfig, meta: HeadMeta | None, target: Target, where: Path, allow_fp: bool) -> None:
+    tc, n = target.config, target.num_layers
+    if cfg.vocab_size != tc.vocab_size:
+        raise HeadValidationError(where, f"vocab_size {cfg.vocab_size} != target {target.name!r} vocab_size "
+                                         f"{tc.vocab_size}")
+    if cfg.target_hidden_size != tc.hidden_size:
+        raise HeadValidationError(where, f"target_hidden_size {cfg.target_hidden_size} != target hidden_size "
+                                         f"{tc.hidden_size}")
+    if cfg.hidden_size != (width := target.input_embeddings().shape[1]):
+        raise HeadValidationError(where, f"hidden_size {cfg.hidden_size} != target embedding width {width}")
+    if bad := [k for k in cfg.aux_layer_ids if not 0 < k < n]:
+        raise HeadValidationError(where, f"aux layer ids {bad} out of range 1..{n - 1} for a {n}-layer target")
+    if tuple(cfg.aux_layer_ids) != tuple(target.aux_layer_ids):
+        raise HeadValidationError(where, f"aux layer ids {list(cfg.aux_layer_ids)} != the target's configured "
+                                         f"{list(target.aux_layer_ids)} (input-of-layer convention)")
+    if meta is not None and meta.target_fingerprint and meta.target_fingerprint != target.fingerprint and not allow_fp:
+        raise HeadValidationError(where.parent / META_FILE, f"target fingerprint {meta.target_fingerprint} != loaded "
+                                  f"target {target.fingerprint} (allow_fingerprint_mismatch=True loads anyway)")
+
+
+def _fill_head(head: Eagle3DraftHead, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               target: Target | None) -> Eagle3DraftHead:
+    """Make `head` hold exactly `tensors` (cast to dtype) and the target's frozen embeddings (zeros without one)."""
+    state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+    state["d2t"] = state["d2t"].long()
+    state[EMBED_KEY] = (target.input_embeddings().detach().to("cpu", dtype).clone() if target is not None
+                        else torch.zeros(head.cfg.vocab_size, head.cfg.hidden_size, dtype=dtype))
+    head.load_state_dict(state, strict=True, assign=True)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head
+
+
+def _float_dtype(config: dict, tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    if config.get("torch_dtype") in _DTYPES:
+        return _DTYPES[config["torch_dtype"]]
+    return next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+
+
+# ---- save / load ----------------------------------------------------------------------------
+@contextmanager
+def _staging_dir(final: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temp dir next to `final`; on success it becomes `final` by os.replace (atomic rename)."""
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} exists; head versions are immutable (overwrite=True replaces it)")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes 0700; servers on a shared registry must read it
+    try:
+        yield tmp
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():  # overwrite: move the old one aside, swap in the new one, then delete the old
+            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(final, old)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.replace(tmp, final)
+            except OSError as e:  # another writer created it meanwhile (a non-empty directory)
+                raise FileExistsError(f"{final} appeared while saving; head versions are immutable") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_head(head: Eagle3DraftHead, directory: str | os.PathLike, meta: HeadMeta,
+              dtype: torch.dtype = torch.bfloat16, *, overwrite: bool = False) -> HeadMeta:
+    """Write one version directory atomically; returns `meta` with sha256 (and created) filled in.
+
+    Refuses (HeadValidationError) a head whose weights are non-finite after the cast to `dtype`.
+    """
+    final = Path(directory)
+    dtype_name = next((k for k, v in _DTYPES.items() if v == dtype), None)
+    if dtype_name is None:
+        raise ValueError(f"dtype {dtype} not one of {list(_DTYPES)}")
+    tensors = {k: (t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()).contiguous()
+               for k, t in head.state_dict().items() if k != EMBED_KEY}
+    tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
+    _check_tensors(head, tensors, f"{final} (head being saved as {dtype_name})")
+    with _staging_dir(final, overwrite) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps(_config_json(head.cfg.to_dict(), dtype_name), indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        meta = dataclasses.replace(meta, sha256=file_sha256(tmp / WEIGHTS_FILE), format_version=FORMAT_VERSION,
+                                   created=meta.created or utc_now_iso())
+        (tmp / META_FILE).write_text(meta.to_json())
+    return meta
+
+
+@dataclass(frozen=True)
+class LoadedHead:
+    head: Eagle3DraftHead
+    meta: HeadMeta
+    config: DraftHeadConfig
+
+
+def load_head(directory: str | os.PathLike, target: Target | None = None, *, device: str | torch.device = "cpu",
+              dtype: torch.dtype | None = None, verify_checksum: bool = True,
+              allow_fingerprint_mismatch: bool = False) -> LoadedHead:
+    """Validate and load a head version; with `target`, also check compatibility and attach its embeddings.
+
+    dtype None keeps the saved dtype (bit-exact). Without a target, embed_tokens is zeros. A head.json
+    whose target_fingerprint is "" (imported without a target) is not pinned: only the vocab, width
+    and aux checks apply. Raises HeadValidationError on any refusal.
+    """
+    d = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE, META_FILE):
+        if not (d / name).is_file():
+            raise HeadValidationError(d / name, "missing")
+    meta = HeadMeta.from_json((d / META_FILE).read_text(), d / META_FILE)
+    cfg, upgraded = _config_from_dict(_read_json(d / CONFIG_FILE), d / CONFIG_FILE, target)
+    if target is not None:
+        _check_target(cfg, meta, target, d / CONFIG_FILE, allow_fingerprint_mismatch)
+    if verify_checksum and (digest := file_sha256(d / WEIGHTS_FILE)) != meta.sha256:
+        raise HeadValidationError(d / WEIGHTS_FILE, f"sha256 mismatch: file {digest[:16]}…, head.json "
+                                                    f"{meta.sha256[:16]}…")
+    head = Eagle3DraftHead(cfg)  # the reference layout, then the loaded head
+    tensors = _check_tensors(head, _read_safetensors(d / WEIGHTS_FILE), d / WEIGHTS_FILE)
+    head = _fill_head(head, tensors, dtype or _float_dtype(upgraded, tensors), target).to(device)
+    return LoadedHead(head=head, meta=meta, config=cfg)
+
+
+# ---- vLLM speculators export -----------------------------------------------------------------
+def export_speculators(head_dir: str | os.PathLike, out_dir: str | os.PathLike, *, target: Target | None = None,
+                       verifier_name_or_path: str | None = None, speculative_tokens: int = 3,
+                       overwrite: bool = False) -> Path:
+    """Write a vLLM ``speculators`` EAGLE-3 checkpoint (config.json + model.safetensors) of a dense head.
+
+    Followed (vllm-project/speculators): ``src/speculators/models/eagle3/config.py``
+    (Eagle3SpeculatorConfig: speculators_model_type "eagle3", architectures ["Eagle3Speculator"],
+    transformer_layer_config, draft_vocab_size, norm_before_residual, target_hidden_size,
+    eagle_aux_hidden_state_layer_ids); ``src/speculators/config.py`` (speculators_config: algorithm,
+    proposal_methods, default_proposal_method, verifier{name_or_path, architectures});
+    ``src/speculators/proposals/greedy.py`` (proposal_type "greedy", speculative_tokens);
+    ``src/speculators/convert/eagle/eagle3_converter.py`` (renames ``midlayer.*`` to ``layers.0.*``,
+    keeps fc / norm / lm_head / d2t / t2d; embed_tokens optional). vLLM side:
+    ``vllm/transformers_utils/configs/speculators/{base,algos}.py`` read those fields (aux ids as
+    is) and ``vllm/model_executor/models/llama_eagle3.py`` loads ``layers.0.*`` (or ``midlayer.*``),
+    loads d2t, skips t2d and shares the target's embeddings when the file has none.
+    Our layer keeps the un-normed hidden stream as the residual: norm_before_residual = false.
+    """
+    loaded = load_head(head_dir, target)
+    cfg, meta = loaded.config, loaded.meta
+    if cfg.num_experts != 1:
+        raise ValueError(f"{head_dir}: speculators/vLLM EAGLE-3 has a dense MLP; a {cfg.num_experts}-expert head "
+                         "cannot be exported")
+    tensors = {_speculators_key(k): t.detach().cpu().contiguous()
+               for k, t in loaded.head.state_dict().items() if k != EMBED_KEY}
+    dtype_name = next(k for k, v in _DTYPES.items() if v == loaded.head.fc.weight.dtype)
+    arch = (getattr(target.config, "architectures", None) or [type(target.model).__name__]) if target else None
+    layer = {k: v for k, v in _config_json(cfg.to_dict(), dtype_name).items()
+             if k not in ("architectures", "eagle_config", "adaptive_eagle", "draft_vocab_size", "target_hidden_size")}
+    verifier = {"name_or_path": verifier_name_or_path or (str(target.path) if target else meta.target_name),
+                "architectures": list(arch or ["LlamaForCausalLM"])}
+    config = {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "transformer_layer_config": {**layer, "mlp_bias": False},
+        "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
+        "target_hidden_size": cfg.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),  # vLLM: input of layer k, no -1
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        },
+        "torch_dtype": dtype_name,
+        "adaptive_eagle": {"version": meta.version, "sha256": meta.sha256,
+                           "target_fingerprint": meta.target_fingerprint},
+    }
+    final = Path(out_dir)
+    with _staging_dir(final, overwrite) as tmp:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    return final
+
+
+def _speculators_key(key: str) -> str:
+    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
+
+
+# ---- SpecForge / official EAGLE-3 import ------------------------------------------------------
+def _read_source_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors of a foreign checkpoint (single or sharded safetensors) and a digest of its files."""
+    index = src / "model.safetensors.index.json"
+    if (src / WEIGHTS_FILE).is_file():
+        files = [src / WEIGHTS_FILE]
+    elif index.is_file():
+        files = [src / f for f in sorted(set(_read_json(index).get("weight_map", {}).values()))]
+    else:
+        files = sorted(src.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in src.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        raise HeadValidationError(src, f"pickle checkpoints are not loaded; convert to safetensors ({pickles})"
+                                  if pickles else "no model.safetensors")
+    tensors: dict[str, torch.Tensor] = {}
+    h = hashlib.sha256()
+    for f in files:
+        tensors.update(_read_safetensors(f))
+        h.update(file_sha256(f).encode())
+    return tensors, h.hexdigest()
+
+
+def import_specforge(src_dir: str | os.PathLike, out_dir: str | os.PathLike, target: Target | None = None,
+                     version: str | None = None, *, dtype: torch.dtype | None = None,
+                     overwrite: bool = False) -> HeadMeta:
+    """Import a SpecForge / official EAGLE-3 / SGLang (or speculators) checkpoint into our layout.
+
+    Key names confirmed in sgl-project/SpecForge ``specforge/modeling/draft/llama3_eagle.py``
+    (LlamaForCausalLMEagle3: embed_tokens, midlayer.{input_layernorm, hidden_norm,
+    self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}, fc (no bias),
+    norm, lm_head, buffers t2d bool / d2t int64) and SGLang ``python/sglang/srt/models/llama_eagle3.py``
+    load_weights (tries ``name`` then ``model.name``; d2t -> hot_token_id = d2t + arange; t2d
+    skipped). ``embed_tokens.weight`` is dropped (the target's is used); ``layers.0.*``
+    (speculators / vLLM) reads as ``midlayer.*``. Only safetensors is read: ``pytorch_model.bin`` is
+    refused, never unpickled. Without d2t/t2d, only draft_vocab_size == vocab_size (identity) passes.
+    Without `target` the head is not pinned to a fingerprint (head.json target_fingerprint "").
+    """
+    src = Path(src_dir)
+    raw = _read_json(src / CONFIG_FILE)
+    cfg, upgraded = _config_from_dict(raw, src / CONFIG_FILE, target)
+    tensors, digest = _read_source_weights(src)
+    canon = {_canonical_key(k) for k in tensors}
+    if not {"d2t", "t2d"} & canon and cfg.draft_vocab_size == cfg.vocab_size:
+        n = cfg.vocab_size
+        tensors.update(d2t=torch.zeros(n, dtype=torch.long), t2d=torch.ones(n, dtype=torch.bool))
+    if target is not None:
+        _check_target(cfg, None, target, src / CONFIG_FILE, False)
+    head = Eagle3DraftHead(cfg)
+    tensors = _check_tensors(head, tensors, src)
+    float_dtype = dtype or _float_dtype(upgraded, tensors)
+    head = _fill_head(head, tensors, float_dtype, target)
+    verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    meta = HeadMeta.new(
+        version=version or f"import-{digest[:12]}",
+        target_name=target.name if target is not None else (verifier or "unknown"),
+        target_fingerprint=target.fingerprint if target is not None else "",
+        data={"imported_from": str(src), "source_sha256": digest,
+              "source_layout": "speculators" if "speculators_model_type" in raw else "eagle3"},
+        training={"recipe": "imported"},
+    )
+    return save_head(head, out_dir, meta, dtype=float_dtype, overwrite=overwrite)
+
+
+__all__ = [
+    "FORMAT_VERSION", "HeadMeta", "HeadValidationError", "LoadedHead", "export_speculators", "file_sha256",
+    "import_specforge", "load_head", "read_config", "save_head", "upgrade_config", "utc_now_iso",
+]
