@@ -279,9 +279,10 @@ class Eagle3DraftHead(nn.Module):
         attend: AttendFn,
         logits_rows: torch.Tensor | None | bool = True,  # True: all; bool mask [B, T]: those rows; False: none
     ) -> StepOutput:
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype if hidden.is_floating_point() else self.fc.weight.dtype)
+        if not torch.is_autocast_enabled(hidden.device.type):
+            hidden = hidden.to(self.fc.weight.dtype)  # e.g. bf16 target features into an fp32 head
         h = self.project_hidden(hidden)
-        embeds = embeds.to(h.dtype)
+        embeds = self.embed_tokens(input_ids).to(h.dtype)
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         out, aux = self.midlayer(embeds, h, cos, sin, attend)
         if logits_rows is True:
