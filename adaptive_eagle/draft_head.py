@@ -254,6 +254,8 @@ class Eagle3DraftHead(nn.Module):
         ids = torch.as_tensor(target_ids, dtype=torch.long).to(self.d2t.device)
         if ids.numel() != self.cfg.draft_vocab_size or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
             raise ValueError("draft vocab must be draft_vocab_size strictly increasing target ids")
+        if int(ids[0]) < 0 or int(ids[-1]) >= self.cfg.vocab_size:  # checked before any buffer changes
+            raise ValueError(f"draft vocab ids must lie in [0, {self.cfg.vocab_size}), got {int(ids[0])}..{int(ids[-1])}")
         self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
