@@ -68,6 +68,9 @@ class DraftHeadConfig:
         if self.num_experts < 1 or not 1 <= self.num_experts_per_tok:
             raise ValueError("num_experts and num_experts_per_tok must be >= 1")
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if len(self.aux_layer_ids) * self.target_hidden_size == self.hidden_size:
+            # fc is applied by input width (3·H_target vs H); equal widths would be ambiguous
+            raise ValueError("len(aux_layer_ids) * target_hidden_size must differ from hidden_size")
         object.__setattr__(self, "num_experts_per_tok", min(self.num_experts_per_tok, self.num_experts))
 
     @property

@@ -85,8 +85,12 @@ def new_head(target: Target, vocab: DraftVocab, *, num_experts: int = 1, seed: i
     return head
 
 
+WARM_START_MODES = ("none", "output", "full")
+
+
 @torch.no_grad()
-def warm_start(head: Eagle3DraftHead, target: Target, layer: int | None = None, fc_block: int = -1) -> dict:
+def warm_start(head: Eagle3DraftHead, target: Target, layer: int | None = None, fc_block: int = -1,
+               mode: str = "full") -> dict:
     """Copy what the target can give; returns a summary of what was copied.
 
     - lm_head rows: the target's output embedding at the draft-vocab ids;
@@ -103,9 +107,15 @@ def warm_start(head: Eagle3DraftHead, target: Target, layer: int | None = None, 
     copied = []
     if cfg.hidden_size != target.config.hidden_size:
         raise ValueError("warm start needs the head width to equal the target's")
+    if mode not in WARM_START_MODES:
+        raise ValueError(f"warm start mode {mode!r} not in {WARM_START_MODES}")
+    if mode == "none":
+        return {"mode": mode, "copied": []}
     head.lm_head.weight.copy_(target.output_embeddings()[head.draft_to_target].float())
     head.norm.weight.copy_(m.model.norm.weight.float())
     copied += ["lm_head", "norm"]
+    if mode == "output":
+        return {"mode": mode, "copied": copied}
     attn, sattn = head.midlayer.self_attn, src.self_attn
     if attn.q_proj.out_features == sattn.q_proj.out_features and attn.k_proj.out_features == sattn.k_proj.out_features:
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -129,4 +139,4 @@ def warm_start(head: Eagle3DraftHead, target: Target, layer: int | None = None, 
     w.mul_(0.1)
     w[:, block * cfg.target_hidden_size : (block + 1) * cfg.target_hidden_size] += torch.eye(h, cfg.target_hidden_size)
     copied += [f"fc<-identity(aux {cfg.aux_layer_ids[block]})"]
-    return {"from_layer": layer, "copied": copied}
+    return {"mode": mode, "from_layer": layer, "copied": copied}
