@@ -42,7 +42,8 @@ def train_head(
     draft_vocab_size: Optional[int] = typer.Option(None, help="default: smallest size covering --vocab-coverage"),
     vocab_coverage: float = typer.Option(0.97, help="assistant-token coverage the draft vocab must reach"),
     num_experts: int = typer.Option(1, help="1 = dense head; >1 = MoE-routed MLP"),
-    warm_start: bool = typer.Option(True, help="copy lm_head rows, norms and a decoder layer from the target"),
+    warm_start: str = typer.Option("full", help="full: lm_head rows, norms and a target decoder layer; "
+                                   "output: lm_head + norm; none: random"),
     resume: bool = typer.Option(True, help="continue the run in --run-dir when it exists"),
     eval_every: int = typer.Option(100, help="steps between held-out acceptance evaluations"),
     seed: int = typer.Option(0),

@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from pydantic import BaseModel, Field
@@ -50,7 +50,8 @@ class TrainHeadConfig(BaseModel, frozen=True):
     vocab_domains: list[str] = Field(["english", "code", "math"], description="domains counted for the vocab")
     num_experts: int = Field(1, ge=1, le=64)
     num_experts_per_tok: int = Field(2, ge=1)
-    warm_start: bool = True
+    warm_start: Literal["full", "output", "none"] = Field(
+        "full", description="full: lm_head rows, norms and a target decoder layer; output: lm_head + norm; none")
     warm_layer: int | None = None
     bf16: bool = True
     seed: int = 0

@@ -88,8 +88,8 @@ def run_train_head(
                             seed=cfg.seed)
             extra["vocab"] = {"size": int(vocab.target_ids.numel()), "coverage": round(vocab.coverage, 4),
                               "domains": cfg.vocab_domains, "curve": {str(k): round(v, 4) for k, v in curve.items()}}
-            if cfg.warm_start:
-                extra["warm_start"] = warm_start(head, target, layer=cfg.warm_layer)
+            if cfg.warm_start != "none":
+                extra["warm_start"] = warm_start(head, target, layer=cfg.warm_layer, mode=cfg.warm_start)
                 log(f"warm start: {extra['warm_start']}")
         extra["parent"] = parent
     state, last = train_loop(cfg, run_dir, target, head, train_examples, eval_examples, state=state,
