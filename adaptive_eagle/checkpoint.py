@@ -426,6 +426,17 @@ def save_head(head: Eagle3DraftHead, directory: str | os.PathLike, meta: HeadMet
     return meta
 
 
+def update_metrics(directory: str | os.PathLike, metrics: dict) -> HeadMeta:
+    """Merge evaluation results into head.json's metrics (weights and sha256 untouched), atomically."""
+    d = Path(directory)
+    meta = HeadMeta.from_json((d / META_FILE).read_text(), d / META_FILE)
+    meta = dataclasses.replace(meta, metrics={**meta.metrics, **metrics})
+    tmp = d / f".{META_FILE}.{uuid.uuid4().hex}"
+    tmp.write_text(meta.to_json())
+    os.replace(tmp, d / META_FILE)
+    return meta
+
+
 @dataclass(frozen=True)
 class LoadedHead:
     head: Eagle3DraftHead

@@ -311,3 +311,16 @@ def test_specforge_import_refusals(tmp_path, target):
     with pytest.raises(HeadValidationError, match="pickle checkpoints are not loaded; convert to safetensors"):
         import_specforge(tmp_path / "sf", tmp_path / "out", target)
     assert not (tmp_path / "out").exists()
+
+
+def test_update_metrics_merges_and_keeps_checksum(tmp_path):
+    from adaptive_eagle.checkpoint import update_metrics
+
+    target = tiny_target()
+    cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.aux_layer_ids)
+    head = Eagle3DraftHead(cfg)
+    init_weights(head)
+    meta = save_head(head, tmp_path / "v1", HeadMeta.new("v1", "tiny", target.fingerprint, metrics={"a": 1}))
+    new = update_metrics(tmp_path / "v1", {"heldout": {"alpha": [0.5]}})
+    assert new.metrics == {"a": 1, "heldout": {"alpha": [0.5]}} and new.sha256 == meta.sha256
+    assert load_head(tmp_path / "v1", target).meta.metrics["heldout"]["alpha"] == [0.5]
