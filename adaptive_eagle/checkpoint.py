@@ -3,9 +3,10 @@
 Owns: one version directory ``<version>/{config.json, model.safetensors, head.json}`` (SGLang's
 ``LlamaForCausalLMEagle3`` layout plus our provenance), the one function that upgrades old or
 foreign config layouts (``upgrade_config``), the checks every load runs (``HeadValidationError``),
-export to vLLM ``speculators`` and import of SpecForge / official EAGLE-3 checkpoints. Must not
-touch: the head math (``draft_head.py``), the registry's champion pointer or promotion log, the
-network. Only safetensors and JSON are read or written; nothing is ever unpickled.
+and the atomic staged directory write (``staging_dir``, also used by interop.py and the trainer's
+run state). Must not touch: export to / import from other stacks (``interop.py``), the head math
+(``draft_head.py``), the registry's champion pointer or promotion log, the network. Only
+safetensors and JSON are read or written; nothing is ever unpickled.
 
 Tensor names in ``model.safetensors`` are the head's state-dict keys minus ``embed_tokens.weight``
 (embeddings come from the target, frozen). Loading also accepts SGLang's / speculators'
@@ -13,7 +14,7 @@ Tensor names in ``model.safetensors`` are the head's state-dict keys minus ``emb
 
 Aux-layer ids: ``adaptive_eagle.aux_layer_ids`` holds OUR convention (k = input of target layer k,
 see targets.py); ``eagle_config.eagle_aux_hidden_state_layer_ids`` holds k - 1 for SGLang; the
-speculators export writes k as is (vLLM captures the input of layer k).
+speculators export (interop.py) writes k as is (vLLM captures the input of layer k).
 """
 
 from __future__ import annotations
@@ -372,8 +373,12 @@ def _float_dtype(config: dict, tensors: dict[str, torch.Tensor]) -> torch.dtype:
 
 # ---- save / load ----------------------------------------------------------------------------
 @contextmanager
-def _staging_dir(final: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temp dir next to `final`; on success it becomes `final` by os.replace (atomic rename)."""
+def staging_dir(final: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temp dir next to `final`; on success it becomes `final` by os.replace (atomic rename).
+
+    Files are fsynced first; with `overwrite`, an existing `final` is swapped out and deleted (put back
+    if the swap fails). On any error the temp dir is removed and `final` is left as it was.
+    """
     if final.exists() and not overwrite:
         raise FileExistsError(f"{final} exists; head versions are immutable (overwrite=True replaces it)")
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -417,7 +422,7 @@ def save_head(head: Eagle3DraftHead, directory: str | os.PathLike, meta: HeadMet
                for k, t in head.state_dict().items() if k != EMBED_KEY}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
     _check_tensors(head, tensors, f"{final} (head being saved as {dtype_name})")
-    with _staging_dir(final, overwrite) as tmp:
+    with staging_dir(final, overwrite) as tmp:
         (tmp / CONFIG_FILE).write_text(json.dumps(_config_json(head.cfg.to_dict(), dtype_name), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = dataclasses.replace(meta, sha256=file_sha256(tmp / WEIGHTS_FILE), format_version=FORMAT_VERSION,
@@ -470,128 +475,7 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
     return LoadedHead(head=head, meta=meta, config=cfg)
 
 
-# ---- vLLM speculators export -----------------------------------------------------------------
-def export_speculators(head_dir: str | os.PathLike, out_dir: str | os.PathLike, *, target: Target | None = None,
-                       verifier_name_or_path: str | None = None, speculative_tokens: int = 3,
-                       overwrite: bool = False) -> Path:
-    """Write a vLLM ``speculators`` EAGLE-3 checkpoint (config.json + model.safetensors) of a dense head.
-
-    Followed (vllm-project/speculators): ``src/speculators/models/eagle3/config.py``
-    (Eagle3SpeculatorConfig: speculators_model_type "eagle3", architectures ["Eagle3Speculator"],
-    transformer_layer_config, draft_vocab_size, norm_before_residual, target_hidden_size,
-    eagle_aux_hidden_state_layer_ids); ``src/speculators/config.py`` (speculators_config: algorithm,
-    proposal_methods, default_proposal_method, verifier{name_or_path, architectures});
-    ``src/speculators/proposals/greedy.py`` (proposal_type "greedy", speculative_tokens);
-    ``src/speculators/convert/eagle/eagle3_converter.py`` (renames ``midlayer.*`` to ``layers.0.*``,
-    keeps fc / norm / lm_head / d2t / t2d; embed_tokens optional). vLLM side:
-    ``vllm/transformers_utils/configs/speculators/{base,algos}.py`` read those fields (aux ids as
-    is) and ``vllm/model_executor/models/llama_eagle3.py`` loads ``layers.0.*`` (or ``midlayer.*``),
-    loads d2t, skips t2d and shares the target's embeddings when the file has none.
-    Our layer keeps the un-normed hidden stream as the residual: norm_before_residual = false.
-    """
-    loaded = load_head(head_dir, target)
-    cfg, meta = loaded.config, loaded.meta
-    if cfg.num_experts != 1:
-        raise ValueError(f"{head_dir}: speculators/vLLM EAGLE-3 has a dense MLP; a {cfg.num_experts}-expert head "
-                         "cannot be exported")
-    tensors = {_speculators_key(k): t.detach().cpu().contiguous()
-               for k, t in loaded.head.state_dict().items() if k != EMBED_KEY}
-    dtype_name = next(k for k, v in _DTYPES.items() if v == loaded.head.fc.weight.dtype)
-    arch = (getattr(target.config, "architectures", None) or [type(target.model).__name__]) if target else None
-    layer = {k: v for k, v in _config_json(cfg.to_dict(), dtype_name).items()
-             if k not in ("architectures", "eagle_config", "adaptive_eagle", "draft_vocab_size", "target_hidden_size")}
-    verifier = {"name_or_path": verifier_name_or_path or (str(target.path) if target else meta.target_name),
-                "architectures": list(arch or ["LlamaForCausalLM"])}
-    config = {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-        "transformer_layer_config": {**layer, "mlp_bias": False},
-        "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
-        "target_hidden_size": cfg.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),  # vLLM: input of layer k, no -1
-        "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy", "verifier": verifier,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-        },
-        "torch_dtype": dtype_name,
-        "adaptive_eagle": {"version": meta.version, "sha256": meta.sha256,
-                           "target_fingerprint": meta.target_fingerprint},
-    }
-    final = Path(out_dir)
-    with _staging_dir(final, overwrite) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    return final
-
-
-def _speculators_key(key: str) -> str:
-    return "layers.0." + key.removeprefix("midlayer.") if key.startswith("midlayer.") else key
-
-
-# ---- SpecForge / official EAGLE-3 import ------------------------------------------------------
-def _read_source_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """All tensors of a foreign checkpoint (single or sharded safetensors) and a digest of its files."""
-    index = src / "model.safetensors.index.json"
-    if (src / WEIGHTS_FILE).is_file():
-        files = [src / WEIGHTS_FILE]
-    elif index.is_file():
-        files = [src / f for f in sorted(set(_read_json(index).get("weight_map", {}).values()))]
-    else:
-        files = sorted(src.glob("*.safetensors"))
-    if not files:
-        pickles = [p.name for p in src.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-        raise HeadValidationError(src, f"pickle checkpoints are not loaded; convert to safetensors ({pickles})"
-                                  if pickles else "no model.safetensors")
-    tensors: dict[str, torch.Tensor] = {}
-    h = hashlib.sha256()
-    for f in files:
-        tensors.update(_read_safetensors(f))
-        h.update(file_sha256(f).encode())
-    return tensors, h.hexdigest()
-
-
-def import_specforge(src_dir: str | os.PathLike, out_dir: str | os.PathLike, target: Target | None = None,
-                     version: str | None = None, *, dtype: torch.dtype | None = None,
-                     overwrite: bool = False) -> HeadMeta:
-    """Import a SpecForge / official EAGLE-3 / SGLang (or speculators) checkpoint into our layout.
-
-    Key names confirmed in sgl-project/SpecForge ``specforge/modeling/draft/llama3_eagle.py``
-    (LlamaForCausalLMEagle3: embed_tokens, midlayer.{input_layernorm, hidden_norm,
-    self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}, fc (no bias),
-    norm, lm_head, buffers t2d bool / d2t int64) and SGLang ``python/sglang/srt/models/llama_eagle3.py``
-    load_weights (tries ``name`` then ``model.name``; d2t -> hot_token_id = d2t + arange; t2d
-    skipped). ``embed_tokens.weight`` is dropped (the target's is used); ``layers.0.*``
-    (speculators / vLLM) reads as ``midlayer.*``. Only safetensors is read: ``pytorch_model.bin`` is
-    refused, never unpickled. Without d2t/t2d, only draft_vocab_size == vocab_size (identity) passes.
-    Without `target` the head is not pinned to a fingerprint (head.json target_fingerprint "").
-    """
-    src = Path(src_dir)
-    raw = _read_json(src / CONFIG_FILE)
-    cfg, upgraded = _config_from_dict(raw, src / CONFIG_FILE, target)
-    tensors, digest = _read_source_weights(src)
-    canon = {_canonical_key(k) for k in tensors}
-    if not {"d2t", "t2d"} & canon and cfg.draft_vocab_size == cfg.vocab_size:
-        n = cfg.vocab_size
-        tensors.update(d2t=torch.zeros(n, dtype=torch.long), t2d=torch.ones(n, dtype=torch.bool))
-    if target is not None:
-        _check_target(cfg, None, target, src / CONFIG_FILE, False)
-    head = Eagle3DraftHead(cfg)
-    tensors = _check_tensors(head, tensors, src)
-    float_dtype = dtype or _float_dtype(upgraded, tensors)
-    head = _fill_head(head, tensors, float_dtype, target)
-    verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    meta = HeadMeta.new(
-        version=version or f"import-{digest[:12]}",
-        target_name=target.name if target is not None else (verifier or "unknown"),
-        target_fingerprint=target.fingerprint if target is not None else "",
-        data={"imported_from": str(src), "source_sha256": digest,
-              "source_layout": "speculators" if "speculators_model_type" in raw else "eagle3"},
-        training={"recipe": "imported"},
-    )
-    return save_head(head, out_dir, meta, dtype=float_dtype, overwrite=overwrite)
-
-
 __all__ = [
-    "FORMAT_VERSION", "HeadMeta", "HeadValidationError", "LoadedHead", "export_speculators", "file_sha256",
-    "import_specforge", "load_head", "read_config", "save_head", "upgrade_config", "utc_now_iso",
+    "FORMAT_VERSION", "HeadMeta", "HeadValidationError", "LoadedHead", "file_sha256", "load_head", "read_config",
+    "save_head", "staging_dir", "update_metrics", "upgrade_config", "utc_now_iso",
 ]

@@ -108,13 +108,14 @@ def export_head(
     fmt: str = typer.Option("speculators", "--format", help="speculators (vLLM)"),
 ) -> None:
     """Export a head for another serving stack (vLLM `speculators` layout)."""
-    from adaptive_eagle import checkpoint as C
+    from adaptive_eagle.checkpoint import HeadValidationError
+    from adaptive_eagle.interop import export_speculators
 
     if fmt != "speculators":
         _fail(f"unknown format {fmt!r}; supported: speculators")
     try:
-        typer.echo(str(C.export_speculators(head, out)))
-    except (C.HeadValidationError, FileExistsError, ValueError) as e:
+        typer.echo(str(export_speculators(head, out)))
+    except (HeadValidationError, FileExistsError, ValueError) as e:
         _fail(str(e))
 
 
@@ -125,13 +126,14 @@ def import_head(
     target: Optional[str] = typer.Option(None, help="validate against this target and record its fingerprint"),
 ) -> None:
     """Import a SpecForge / official EAGLE-3 head into this project's layout (validated)."""
-    from adaptive_eagle import checkpoint as C
+    from adaptive_eagle.checkpoint import HeadValidationError
+    from adaptive_eagle.interop import import_specforge
     from adaptive_eagle.targets import load_target
 
     tgt = load_target(target) if target else None
     try:
-        meta = C.import_specforge(src, out, target=tgt)
-    except (C.HeadValidationError, FileExistsError, ValueError) as e:
+        meta = import_specforge(src, out, target=tgt)
+    except (HeadValidationError, FileExistsError, ValueError) as e:
         _fail(str(e))
     typer.echo(meta.to_json())
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
 
+from adaptive_eagle.checkpoint import staging_dir
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
 from adaptive_eagle.targets import Target
 from trainer.data import TokenizedExample
@@ -137,30 +137,9 @@ def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7
 
 
 # ---- run state --------------------------------------------------------------------------------------
-def _atomic_dir_write(final: Path, write: Callable[[Path], None]) -> None:
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        if old.exists():
-            import shutil
-
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        import shutil
-
-        shutil.rmtree(old)
-
-
 def save_run_state(run_dir: Path, head, opt, state: RunState, cfg: TrainHeadConfig, extra: dict) -> None:
-    def write(d: Path):
+    """Replace ``run_dir/state`` atomically (checkpoint.staging_dir) with the head, optimizer and run state."""
+    with staging_dir(run_dir / "state", overwrite=True) as d:
         sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
         save_file(sd, d / "head.safetensors")
         opt_tensors, opt_meta = {}, {"param_groups": opt.state_dict()["param_groups"], "state_keys": {}}
@@ -173,8 +152,6 @@ def save_run_state(run_dir: Path, head, opt, state: RunState, cfg: TrainHeadConf
             "state": state.__dict__, "recipe": cfg.model_dump(), "head_config": head.cfg.to_dict(),
             "optimizer": opt_meta, **extra,
         }, indent=1))
-
-    _atomic_dir_write(run_dir / "state", write)
 
 
 def load_run_state(run_dir: Path, target: Target):

@@ -11,15 +11,14 @@ from safetensors.torch import load_file, save_file
 from adaptive_eagle.checkpoint import (
     HeadMeta,
     HeadValidationError,
-    export_speculators,
     file_sha256,
-    import_specforge,
     load_head,
     read_config,
     save_head,
     upgrade_config,
 )
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
+from adaptive_eagle.interop import export_speculators, import_specforge
 from adaptive_eagle.targets import tiny_target
 
 DRAFT_VOCAB = 40
