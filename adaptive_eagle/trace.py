@@ -1,0 +1,90 @@
+"""TraceRecord: what one finished request tells the loop (the contract between servers, the
+feature store and the trainer).
+
+Owns: the record dataclasses and their invariants. Must not touch: encoding (feature_store owns the
+Arrow schema and hidden-state codecs), models, I/O. Plain Python and NumPy only.
+
+Vocabulary (see verify.py for the decoding side): a verify step drafts a tree of `tree_size`
+tokens, the target accepts a path of `accept_length` draft tokens (then adds one bonus token);
+`rejected_*` describe the first draft token the target refused on that step (-1 / NaN when every
+drafted token on the path was accepted or nothing was drafted).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+TRACE_SCHEMA_VERSION = "1.0"  # major.minor; readers refuse an unknown major
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_tokens: int = 256
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_tokens <= 0:
+            raise ValueError(f"invalid sampling params {self}")
+
+
+@dataclass(frozen=True)
+class VerifyStep:
+    tree_size: int  # draft tokens verified in this step's single target forward
+    accept_length: int  # draft tokens accepted (the bonus token not counted)
+    accepted_depth: int  # depth of the deepest accepted node (== accept_length for a path)
+    rejected_token: int = -1  # target id of the first refused draft token, -1 if none
+    rejected_draft_prob: float = math.nan  # the draft's probability of that token
+    rejected_target_prob: float = math.nan  # the target's probability of that token
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.accept_length <= max(self.tree_size, 0) or self.tree_size < 0:
+            raise ValueError(f"invalid verify step {self}")
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    request_id: str
+    target_fingerprint: str
+    head_version: str | None  # None: plain decoding
+    backend: str  # "reference" | "sglang" | ...
+    input_ids: tuple[int, ...]  # prompt + generated tokens
+    loss_mask: tuple[int, ...]  # 1 on generated tokens
+    steps: tuple[VerifyStep, ...] = ()
+    tenant: str = "default"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    domain: str | None = None  # optional tag (code, math, english, ...)
+    capture_consent: bool = True  # False: the request opted out; never stored
+    aux_hidden: np.ndarray | None = None  # [len(input_ids), n_aux * H] float32 aux features, if captured
+    aux_layer_ids: tuple[int, ...] = ()  # input-of-layer convention (adaptive_eagle.targets)
+    created_at: float = field(default_factory=time.time)  # unix seconds
+    schema_version: str = TRACE_SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError("input_ids and loss_mask differ in length")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError("loss_mask must be 0/1")
+        if self.aux_hidden is not None:
+            if self.aux_hidden.ndim != 2 or self.aux_hidden.shape[0] != len(self.input_ids):
+                raise ValueError(f"aux_hidden shape {self.aux_hidden.shape} does not match {len(self.input_ids)} tokens")
+            if not self.aux_layer_ids:
+                raise ValueError("aux_hidden needs aux_layer_ids")
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    @property
+    def accept_length_mean(self) -> float:
+        """Mean tokens per verify step, bonus included (1.0 = no speed-up)."""
+        return float(np.mean([s.accept_length + 1 for s in self.steps])) if self.steps else 1.0
+
+    def without_hidden(self) -> "TraceRecord":
+        return replace(self, aux_hidden=None, aux_layer_ids=())
