@@ -30,6 +30,8 @@ def train_head(
     out: Path = typer.Option(..., "--out", "-o", help="version directory to write the trained head to"),
     run_dir: Optional[Path] = typer.Option(None, help="resumable run state (default: <cache>/runs/<out name>)"),
     target: str = typer.Option("smollm2-135m", help="built-in target name or local HF model directory"),
+    aux_layers: Optional[str] = typer.Option(None, help="comma-separated aux layer ids (input of layer k); "
+                                              "default 2,L//2,L-3"),
     init_head: Optional[Path] = typer.Option(None, help="fine-tune this head instead of starting fresh"),
     domains: str = typer.Option("english", help="comma-separated ShareGPT domains: english,code,math,non_english"),
     data_jsonl: Optional[Path] = typer.Option(None, help="train on JSONL {id, conversations:[{role, content}]}"),
@@ -50,9 +52,7 @@ def train_head(
 ) -> None:
     """Train an EAGLE-3 draft head with training-time test (7 unrolled steps) on ShareGPT or JSONL data.
 
-    Shows a progress bar with the loss and per-step top-1 agreement, prints held-out 0-α…6-α every
-    --eval-every steps, checkpoints the run every 5 minutes (stop any time, rerun to resume), and
-    writes the head in SGLang's EAGLE-3 layout plus head.json.
+    Shows loss and per-step top-1 agreement, prints held-out 0-α…6-α every --eval-every steps, checkpoints the run every 5 minutes (stop any time, rerun to resume), and writes the head in SGLang's EAGLE-3 layout plus head.json.
     """
     from pydantic import ValidationError
 
@@ -61,7 +61,8 @@ def train_head(
 
     try:
         cfg = TrainHeadConfig(
-            target=target, domains=[d.strip() for d in domains.split(",") if d.strip()],
+            target=target, aux_layer_ids=[int(k) for k in aux_layers.split(",")] if aux_layers else None,
+            domains=[d.strip() for d in domains.split(",") if d.strip()],
             data_jsonl=str(data_jsonl) if data_jsonl else None, token_budget=token_budget,
             time_budget_min=minutes, lr=lr, max_len=max_len, batch_tokens=batch_tokens,
             max_loss_rows=max_loss_rows or None, draft_vocab_size=draft_vocab_size, vocab_coverage=vocab_coverage,
@@ -73,7 +74,11 @@ def train_head(
 
     run = run_dir or cache_dir() / "runs" / out.name
     result = run_train_head(cfg, run, out_dir=out, init_head=init_head, resume=resume)
-    typer.echo(json.dumps(result["heldout_english"]))
+    ev = result["heldout_english"]
+    typer.echo("held-out acceptance after training:")
+    typer.echo("  " + "  ".join(f"{j}-α {a:.3f}" for j, a in enumerate(ev["alpha"])))
+    typer.echo(f"  expected accept length (chain, bonus included) {ev['accept_length']:.3f}")
+    typer.echo(json.dumps(result, default=str))
 
 
 @app.command("eval-head")

@@ -31,6 +31,7 @@ class TrainHeadConfig(BaseModel, frozen=True):
     """Recipe of one offline training run (saved with the run and into head.json)."""
 
     target: str = Field("smollm2-135m", description="built-in target name or local HF directory")
+    aux_layer_ids: list[int] | None = Field(None, description="inputs of these target layers; None: [2, L//2, L-3]")
     domains: list[str] = Field(["english"], description="ShareGPT domains to train on")
     data_jsonl: str | None = Field(None, description="train on this JSONL instead of ShareGPT")
     max_len: int = Field(1024, ge=16, le=32768, description="tokens per conversation (truncated)")

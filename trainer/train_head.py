@@ -59,7 +59,7 @@ def run_train_head(
 
     torch.manual_seed(cfg.seed)
     log(f"loading target {cfg.target}")
-    target = load_target(cfg.target)
+    target = load_target(cfg.target, aux_layer_ids=cfg.aux_layer_ids)
     log("tokenising data")
     train_examples = load_examples(cfg, target, "train", cfg.domains)
     eval_examples = load_examples(cfg, target, "heldout", ["english"] if not cfg.data_jsonl else None, limit=cfg.eval_convs)
