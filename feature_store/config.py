@@ -1,0 +1,79 @@
+"""StoreConfig: the one pydantic model that configures the feature store (it crosses config files
+and processes). Immutable after construction; every field documented and range-checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+
+class StoreConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    backend: Literal["local", "redis"] = Field("local", description="local Arrow segments (embedded) or Redis")
+    codec: str = Field("int8-zstd", description="hidden-state codec name (feature_store.codecs.CODECS)")
+
+    # local backend
+    local_root: Optional[str] = Field(None, description="directory of the local backend (segments, offsets)")
+    segment_bytes: int = Field(64 << 20, ge=4096, description="rotate the active segment past this size")
+    segment_max_age_s: float = Field(3600.0, gt=0, description="rotate the active segment past this age")
+    fsync: bool = Field(True, description="fsync segment appends and offset files (crash safety)")
+
+    # redis backend
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL")
+    redis_username: Optional[str] = Field(None, description="ACL user for AUTH (None: default user)")
+    redis_password: Optional[SecretStr] = Field(None, description="AUTH password (never logged)")
+    tls: bool = Field(False, description="connect with TLS (also implied by a rediss:// URL)")
+    tls_ca_file: Optional[str] = Field(None, description="CA bundle to verify the server")
+    tls_cert_file: Optional[str] = Field(None, description="client certificate (mutual TLS)")
+    tls_key_file: Optional[str] = Field(None, description="client key (mutual TLS)")
+    tls_verify: bool = Field(True, description="verify the server certificate")
+    key_prefix: str = Field("ae", min_length=1, description="prefix of every Redis key")
+    stream: str = Field("traces", min_length=1, description="stream name under the prefix")
+    socket_timeout_s: float = Field(2.0, gt=0, description="Redis socket and connect timeout")
+    spill_dir: Optional[str] = Field(None, description="shared directory for large payloads (None: never spill)")
+    spill_threshold_bytes: int = Field(256 << 10, ge=1, description="payloads above this go to spill_dir")
+    spill_max_bytes: int = Field(8 << 30, ge=1, description="cap on bytes in spill_dir; oldest files go first")
+    max_stream_len: int = Field(200_000, ge=1, description="cap on stream entries (XADD MAXLEN)")
+    max_stream_bytes: int = Field(2 << 30, ge=1, description="cap on stream payload bytes (via an entry cap)")
+    trim_approximate: bool = Field(True, description="MAXLEN ~ (cheap; may overshoot by one stream node)")
+    claim_idle_ms: int = Field(60_000, ge=1, description="pending entries idle this long are re-delivered")
+
+    # both backends
+    retention_s: float = Field(7 * 86400.0, gt=0, description="TTL: data older than this is deleted")
+    local_max_bytes: int = Field(16 << 30, ge=4096, description="local backend: cap on segment bytes")
+
+    # writer
+    queue_max_records: int = Field(1024, ge=1, description="bounded put() queue (records); full: drop")
+    queue_max_bytes: int = Field(256 << 20, ge=1, description="bounded put() queue (bytes); full: drop")
+    batch_max_records: int = Field(64, ge=1, description="records per backend write")
+    flush_interval_s: float = Field(0.05, gt=0, description="the flusher wakes at least this often")
+    backoff_initial_s: float = Field(0.05, gt=0, description="first reconnect delay")
+    backoff_max_s: float = Field(5.0, gt=0, description="reconnect delay cap (doubles up to here)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "StoreConfig":
+        if self.backend == "local" and not self.local_root:
+            raise ValueError("backend 'local' needs local_root")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_max_s < backoff_initial_s")
+        from feature_store.codecs import CODECS
+
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; known: {sorted(CODECS)}")
+        return self
+
+    @property
+    def key(self) -> str:
+        return f"{self.key_prefix}:{self.stream}"
+
+    @property
+    def stats_key(self) -> str:
+        return f"{self.key_prefix}:{self.stream}:stats"
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "StoreConfig":
+        return cls.model_validate(json.loads(Path(path).read_text()))
