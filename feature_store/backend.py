@@ -1,0 +1,77 @@
+"""What every store backend provides (the local Arrow-segment backend and the Redis-streams backend).
+
+Backends move opaque payloads (Arrow IPC bytes from schema.py); they never decode records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Protocol
+
+from feature_store.config import StoreConfig
+
+COUNTERS = ("dropped", "opted_out", "corrupt", "written", "write_errors")
+
+
+class StoreUnavailable(ConnectionError):
+    """The store cannot be reached or written right now (the writer drops and retries later)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str  # backend position: "<segment>-<byte offset>" (local) or a stream id (Redis)
+    payload: bytes | None  # None: the entry exists but its payload is lost (counted as corrupt)
+    created_ms: int | None = None  # write time where the backend knows it (Redis stream ids)
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    backend: str
+    records: int  # entries stored now
+    bytes: int  # payload bytes stored now (segments / stream payloads + spilled files)
+    lag: int  # entries the group has not yet acknowledged (pending included)
+    pending: int  # delivered to the group, not yet acknowledged
+    counters: dict[str, int] = field(default_factory=dict)  # dropped, opted_out, corrupt, written, ...
+
+
+class Backend(Protocol):
+    def ping(self) -> None: ...
+    def append(self, payloads: list[bytes]) -> None: ...
+    def read(self, group: str, consumer: str, count: int, block_ms: int = 0) -> list[Entry]: ...
+    def ack(self, group: str, ids: list[str]) -> None: ...
+    def scan(self, since: float | None = None, until: float | None = None) -> Iterator[Entry]: ...
+    def tail(self, n: int) -> list[Entry]: ...
+    def add_counters(self, deltas: dict[str, int]) -> None: ...
+    def stats(self, group: str | None = None) -> BackendStats: ...
+    def maintain(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def open_backend(config: StoreConfig) -> Backend:
+    if config.backend == "redis":
+        from feature_store.redis_backend import RedisBackend
+
+        return RedisBackend(config)
+    from feature_store.local import LocalBackend
+
+    return LocalBackend(config)
+
+
+def atomic_write_json(path: Path, obj: dict, fsync: bool = True) -> None:
+    """Write JSON so a crash leaves either the old or the new file, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
