@@ -61,7 +61,9 @@ class TraceRecord:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     domain: str | None = None  # optional tag (code, math, english, ...)
     capture_consent: bool = True  # False: the request opted out; never stored
-    aux_hidden: np.ndarray | None = None  # [len(input_ids), n_aux * H] float32 aux features, if captured
+    # [T, n_aux * H] float32 aux features of positions 0..T-1, if captured. T = len(input_ids) - 1
+    # when the last token never went through the target (decoding stops before its forward).
+    aux_hidden: np.ndarray | None = None
     aux_layer_ids: tuple[int, ...] = ()  # input-of-layer convention (adaptive_eagle.targets)
     created_at: float = field(default_factory=time.time)  # unix seconds
     schema_version: str = TRACE_SCHEMA_VERSION
@@ -72,7 +74,7 @@ class TraceRecord:
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError("loss_mask must be 0/1")
         if self.aux_hidden is not None:
-            if self.aux_hidden.ndim != 2 or self.aux_hidden.shape[0] != len(self.input_ids):
+            if self.aux_hidden.ndim != 2 or self.aux_hidden.shape[0] not in (len(self.input_ids), len(self.input_ids) - 1):
                 raise ValueError(f"aux_hidden shape {self.aux_hidden.shape} does not match {len(self.input_ids)} tokens")
             if not self.aux_layer_ids:
                 raise ValueError("aux_hidden needs aux_layer_ids")

@@ -22,8 +22,9 @@ from typing import Callable
 
 import torch
 
-# expand(tokens [k], node_ids [k]) -> log-probs [k, V] of each frontier node's children
-ExpandFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# expand(tokens [k], node_ids [k], parent_ids [k]) -> log-probs [k, V] of each frontier node's
+# children. Ids are candidate ids, stable for one build_tree call; parent -1 = the root.
+ExpandFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def build_tree(root_logprobs: torch.Tensor, expand: ExpandFn, depth: int, topk: 
         if not frontier:
             break
         f_tokens = torch.tensor([cands[i].token for i in frontier])
-        child_lp = expand(f_tokens, torch.tensor(frontier)).float()  # [k, V]
+        f_parents = torch.tensor([cands[i].parent for i in frontier])
+        child_lp = expand(f_tokens, torch.tensor(frontier), f_parents).float()  # [k, V]
         top_lp, top_tok = child_lp.topk(min(topk, child_lp.shape[-1]), dim=-1)  # [k, topk]
         fresh = []
         for row, parent in enumerate(frontier):

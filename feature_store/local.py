@@ -100,9 +100,9 @@ class LocalBackend:
                 pos = nxt
 
     def _valid_end(self, seg: int) -> int:
-        end = HEADER
-        for _, payload, nxt in self._scan_frames(seg, HEADER, last=True):
-            if payload is None:
+        end = HEADER  # end of the last complete frame (a CRC-bad complete frame is kept; readers skip it)
+        for _, _, nxt in self._scan_frames(seg, HEADER, last=True):
+            if nxt < 0:
                 break
             end = nxt
         return end
@@ -185,19 +185,17 @@ class LocalBackend:
         return None
 
     def _iter_from(self, start: Pos) -> Iterator[tuple[Pos, bytes | None, Pos]]:
-        """Frames at or after `start` across segments: (pos, payload or None if corrupt, next pos)."""
+        """Frames at or after `start` across segments: (pos, payload or None if corrupt, next pos).
+        A torn tail of an older segment comes out once as a corrupt frame whose next pos is the next
+        segment."""
         segs = self._segments()
-        for i, seg in enumerate(s for s in segs if s >= start[0]):
-            last = seg == segs[-1]
+        for seg in (s for s in segs if s >= start[0]):
             off = start[1] if seg == start[0] else HEADER
-            for pos, payload, nxt in self._scan_frames(seg, off, last):
-                if nxt < 0:  # torn / not a segment: skip the rest of it
-                    self.add_counters({"corrupt": 1})
+            for pos, payload, nxt in self._scan_frames(seg, off, last=seg == segs[-1]):
+                if nxt < 0:
+                    yield (seg, pos), None, (seg + 1, HEADER)
                     break
                 yield (seg, pos), payload, (seg, nxt)
-            else:
-                continue
-            continue
 
     def read(self, group: str, consumer: str = "c0", count: int = 64, block_ms: int = 0) -> list[Entry]:
         """Up to `count` entries: idle pending entries first (re-delivery), then new ones."""
@@ -218,8 +216,12 @@ class LocalBackend:
             if len(out) >= count:
                 return out
             if now - t >= idle:
+                payload = self._payload_at(pos)
+                if payload is None:  # deleted by retention meanwhile
+                    g.pending.pop(pos)
+                    continue
                 g.pending[pos] = now
-                out.append(Entry(_id(pos), self._payload_at(pos)))
+                out.append(Entry(_id(pos), payload))
         for pos, payload, nxt in self._iter_from(g.cursor):
             if len(out) >= count:
                 break
@@ -251,13 +253,14 @@ class LocalBackend:
             yield Entry(_id(pos), payload)
 
     def tail(self, n: int) -> list[Entry]:
+        """The newest n entries, oldest first."""
         out: list[Entry] = []
         for seg in reversed(self._segments()):
-            frames = [Entry(_id((seg, p)), pl) for p, pl, nxt in self._scan_frames(seg, HEADER, True) if nxt >= 0]
-            out = frames[-(n - len(out)):] + out if n > len(out) else out
             if len(out) >= n:
                 break
-        return out[-n:] if n else []
+            frames = [Entry(_id((seg, p)), pl) for p, pl, nxt in self._scan_frames(seg, HEADER, True) if nxt >= 0]
+            out = frames + out
+        return out[-n:] if n > 0 else []
 
     # ---------- counters, stats, retention ----------
     def add_counters(self, deltas: dict[str, int]) -> None:
@@ -284,12 +287,12 @@ class LocalBackend:
 
     def stats(self, group: str | None = None) -> BackendStats:
         with self._lock:
-            total = sum(1 for _, pl, _ in self._iter_from((0, HEADER)))
+            total = sum(1 for _, pl, _ in self._iter_from((0, HEADER)) if pl is not None)
             nbytes = sum(self._path(s).stat().st_size for s in self._segments())
             lag = pending = 0
             if group is not None:
                 g = self._group(group)
-                lag = sum(1 for _ in self._iter_from(g.commit))
+                lag = sum(1 for _, pl, _ in self._iter_from(g.commit) if pl is not None)
                 pending = len(g.pending)
             return BackendStats("local", total, nbytes, lag, pending, self.counters())
 

@@ -17,7 +17,7 @@ from adaptive_eagle.tree import (
 def random_expand(vocab: int, seed: int):
     g = torch.Generator().manual_seed(seed)
 
-    def expand(tokens, node_ids):
+    def expand(tokens, node_ids, parent_ids):
         return torch.log_softmax(torch.randn(tokens.numel(), vocab, generator=g) * 3, dim=-1)
 
     return expand
@@ -81,7 +81,7 @@ def test_best_nodes_are_kept():
     root = torch.log(torch.tensor([0.6, 0.4, 1e-9, 1e-9, 1e-9, 1e-9]))
     table = {0: [1e-9, 1e-9, 0.9, 0.1, 1e-9, 1e-9], 1: [1e-9, 1e-9, 1e-9, 1e-9, 0.5, 0.5]}
 
-    def expand(tokens, node_ids):
+    def expand(tokens, node_ids, parent_ids):
         return torch.log(torch.tensor([table[int(t)] for t in tokens]))
 
     tree = build_tree(root, expand, depth=2, topk=2, num_draft_tokens=3)

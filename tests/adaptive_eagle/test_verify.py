@@ -57,7 +57,7 @@ def test_sampling_preserves_target_distribution():
     draft_root = torch.log_softmax(torch.randn(vocab), -1)
     g = torch.Generator().manual_seed(1)
 
-    def expand(tokens, node_ids):
+    def expand(tokens, node_ids, parent_ids):
         return torch.log_softmax(torch.randn(tokens.numel(), vocab, generator=g), -1)
 
     tree = build_tree(draft_root, expand, depth=2, topk=3, num_draft_tokens=7)

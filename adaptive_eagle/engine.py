@@ -1,0 +1,292 @@
+"""The reference decoding engine: EAGLE-3 speculative decoding, batch 1, lossless.
+
+Owns: one request's decode loop as named steps — prefill → (draft → verify → accept → capture)*
+— over a target KV cache and the draft head's KV cache, stop conditions, traces and hidden-state
+capture. Must not touch: networking, the feature store, training. `head=None` runs plain decoding
+through the same loop (an empty tree each step), for baselines.
+
+Positions. After a step, the target cache holds every committed token except the newest one (the
+bonus token, the tree's root). The head at position t reads (target aux feature of t, token t+1),
+so its cache holds one entry per committed position whose feature is known; a draft node at depth
+d sits at root_position - 1 + d in the head and at root_position + d in the target.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from adaptive_eagle.draft_head import DraftKVCache, Eagle3DraftHead
+from adaptive_eagle.targets import Target
+from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
+from adaptive_eagle.tree import DraftTree, build_tree, tree_attention_mask, tree_position_ids
+from adaptive_eagle.verify import VerifyResult, sampling_probs, verify_greedy, verify_sampling
+
+EMPTY_TREE = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)), torch.zeros(0), torch.zeros(0))
+
+
+class GenerationError(ValueError):
+    """A request the engine refuses (bad prompt, limits, head/target mismatch)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    depth: int = 5  # draft steps per tree
+    topk: int = 4  # children per expanded node, and frontier width
+    num_draft_tokens: int = 16  # nodes kept per tree (verified in one target forward)
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.topk < 1 or self.num_draft_tokens < 1:
+            raise ValueError("depth, topk and num_draft_tokens must be >= 1")
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    trace: TraceRecord
+    elapsed_s: float
+    steps: list[VerifyStep] = field(default_factory=list)
+
+    @property
+    def accept_length_mean(self) -> float:
+        return self.trace.accept_length_mean
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+class SpeculativeEngine:
+    def __init__(self, target: Target, head: Eagle3DraftHead | None = None, config: EngineConfig | None = None,
+                 head_version: str | None = None) -> None:
+        self.target, self.head, self.config = target, head, config or EngineConfig()
+        self.head_version = head_version if head is not None else None
+        self.device = target.device
+        if head is not None:
+            c = head.cfg
+            if c.vocab_size != target.config.vocab_size or c.target_hidden_size != target.config.hidden_size:
+                raise GenerationError(
+                    f"head was built for a target with vocab {c.vocab_size} / hidden {c.target_hidden_size}; this "
+                    f"target has vocab {target.config.vocab_size} / hidden {target.config.hidden_size}")
+            if tuple(c.aux_layer_ids) != tuple(target.aux_layer_ids):
+                raise GenerationError(f"head aux layers {c.aux_layer_ids} != target aux layers {target.aux_layer_ids}")
+            self.head = head.to(self.device).eval()
+        self._cache_kw = _cache_kwarg(target.model)
+        eos = getattr(target.model.generation_config, "eos_token_id", None) or target.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        tok = target.tokenizer
+        if tok is not None and tok.eos_token is not None:
+            self.eos_ids.add(tok.convert_tokens_to_ids(tok.eos_token))
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """A prompt as text (chat-templated as one user turn), chat messages, or token ids."""
+        tok = self.target.tokenizer
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise GenerationError("empty prompt")
+            prompt = [{"role": "user", "content": prompt}]
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if tok is None:
+                raise GenerationError("this target has no tokenizer: pass token ids")
+            out = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(t) for t in ids]
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise GenerationError("empty prompt")
+        if any(t < 0 or t >= self.target.config.vocab_size for t in ids):
+            raise GenerationError("prompt token id outside the target's vocabulary")
+        return ids
+
+    def _check_limits(self, n_prompt: int, sampling: SamplingParams) -> None:
+        limit = self.target.config.max_position_embeddings
+        if n_prompt >= limit:
+            raise GenerationError(f"prompt has {n_prompt} tokens; the target's context is {limit}")
+        if n_prompt + sampling.max_tokens + self.config.depth + 1 > limit:
+            raise GenerationError(
+                f"prompt ({n_prompt}) + max_tokens ({sampling.max_tokens}) exceeds the context ({limit})")
+
+    # ---- target ---------------------------------------------------------------------------------
+    def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None):
+        x = torch.tensor([ids], device=self.device)
+        kw = {self._cache_kw: cache, "use_cache": True, "output_hidden_states": True,
+              "position_ids": positions[None].to(self.device)}
+        if mask is not None:
+            kw["attention_mask"] = mask.to(self.device)
+        out = self.target.model(input_ids=x, **kw)
+        hs = out.hidden_states
+        aux = torch.cat([hs[k] for k in self.target.aux_layer_ids], dim=-1)[0]  # [Q, n_aux * H]
+        return out.logits[0], aux
+
+    @staticmethod
+    def _keep_cache(cache, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` of every layer's keys and values (the accepted path)."""
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+    # ---- draft head -----------------------------------------------------------------------------
+    def _head_extend(self, hcache: DraftKVCache, tokens: list[int], aux: torch.Tensor, start_pos: int) -> tuple:
+        """Feed committed positions start_pos.. (aux features + next tokens) to the head; returns the
+        last position's output hidden [H] and draft-vocab log-probs [Vd]."""
+        head = self.head
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.arange(start_pos, start_pos + len(tokens), device=self.device)[None]
+        out = head.step(ids, aux[None].to(head.fc.weight.dtype), pos, hcache.attend_fn(), logits_rows=True)
+        return out.hidden[0, -1], torch.log_softmax(out.logits[0, -1].float(), -1)
+
+    def _draft(self, hcache: DraftKVCache, root_hidden, root_logprobs, root_pos: int) -> DraftTree:
+        """Build the dynamic tree with the head; leaves the head cache as it found it."""
+        head, cfg = self.head, self.config
+        committed = hcache.length
+        slot: dict[int, int] = {}  # candidate id -> head cache row
+        hidden: dict[int, torch.Tensor] = {-1: root_hidden}  # candidate id -> its output hidden
+        ancestors: dict[int, list[int]] = {-1: []}  # candidate id -> cache rows of itself + ancestors
+        d2t = head.draft_to_target
+
+        def expand(tokens, node_ids, parent_ids):
+            k = tokens.numel()
+            draft_tok = tokens  # draft ids while building; mapped to target ids below
+            hid = torch.stack([hidden[int(p)] for p in parent_ids])[None]  # [1, k, H]
+            depth = len(ancestors[int(parent_ids[0])]) + 1
+            pos = torch.full((1, k), root_pos - 1 + depth, device=self.device)
+            total = hcache.length + k
+            mask = torch.full((1, 1, k, total), float("-inf"), device=self.device)
+            mask[..., :committed] = 0
+            for r, (n, p) in enumerate(zip(node_ids.tolist(), parent_ids.tolist())):
+                rows = ancestors[p] + [hcache.length + r]
+                mask[0, 0, r, rows] = 0
+                slot[n] = hcache.length + r
+                ancestors[n] = rows
+            out = head.step(d2t[draft_tok][None], hid, pos, hcache.attend_fn(mask), logits_rows=True)
+            for r, n in enumerate(node_ids.tolist()):
+                hidden[n] = out.hidden[0, r]
+            return torch.log_softmax(out.logits[0].float(), -1)
+
+        tree = build_tree(root_logprobs, expand, cfg.depth, cfg.topk, cfg.num_draft_tokens)
+        hcache.crop(committed)
+        return DraftTree(d2t[tree.tokens], tree.parents, tree.depths, tree.scores, tree.logprobs)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def stream(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
+               capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None
+               ) -> Iterator[tuple[list[int], GenerationResult | None]]:
+        """Yields (new token ids, None) per verify step, then ([], GenerationResult) once."""
+        sampling = sampling or SamplingParams()
+        prompt_ids = self.encode(prompt)
+        self._check_limits(len(prompt_ids), sampling)
+        t0 = time.perf_counter()
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        n = len(prompt_ids)
+        logits, aux = self._target_forward(prompt_ids, cache, torch.arange(n), None)
+        captured = [aux.float().cpu()] if capture else []
+        first = self._sample_row(logits[-1:], sampling, generator)
+        generated: list[int] = [first]
+        steps: list[VerifyStep] = []
+        hcache = None
+        if self.head is not None:
+            hcache = DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.fc.weight.dtype, self.device)
+            root_hidden, root_lp = self._head_extend(hcache, prompt_ids[1:] + [first], aux, 0)
+        finish = self._finished(generated, sampling, stop)
+        emitted = 0
+        while True:
+            visible, _ = self._truncate(generated, sampling, stop, finish)
+            if len(visible) > emitted:
+                yield visible[emitted:], None
+                emitted = len(visible)
+            if finish is not None:
+                break
+            root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
+            tree = self._draft(hcache, root_hidden, root_lp, root_pos) if self.head is not None else EMPTY_TREE
+            mask = tree_attention_mask(tree, root_pos, self.target.dtype)
+            logits, aux = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
+                                               tree_position_ids(tree, root_pos), mask)
+            res = self._verify(tree, logits, sampling, generator)
+            rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
+            self._keep_cache(cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
+            new = list(res.tokens)
+            steps.append(VerifyStep(tree.size, res.accept_length, res.accept_length, res.rejected_token,
+                                    res.rejected_draft_prob, res.rejected_target_prob))
+            if capture:
+                captured.append(aux.index_select(0, rows).float().cpu())
+            if self.head is not None:
+                root_hidden, root_lp = self._head_extend(hcache, new, aux.index_select(0, rows), root_pos)
+            generated.extend(new)
+            finish = self._finished(generated, sampling, stop)
+        generated, finish = self._truncate(generated, sampling, stop, finish)
+        yield [], self._result(prompt_ids, generated, finish, steps, captured, sampling, request_id, t0)
+
+    def generate(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
+                 capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None
+                 ) -> GenerationResult:
+        result = None
+        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator):
+            result = res or result
+        return result
+
+    def _sample_row(self, logits_row, sampling: SamplingParams, generator) -> int:
+        if sampling.temperature == 0:
+            return int(logits_row[-1].argmax())
+        probs = sampling_probs(logits_row[-1:], sampling.temperature, sampling.top_p, sampling.top_k)
+        return int(torch.multinomial(probs[0], 1, generator=generator))
+
+    def _verify(self, tree, logits, sampling: SamplingParams, generator) -> VerifyResult:
+        if sampling.temperature == 0:
+            return verify_greedy(tree, logits)
+        probs = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+        return verify_sampling(tree, probs, generator)
+
+    # ---- stopping --------------------------------------------------------------------------------
+    def _finished(self, generated: list[int], sampling: SamplingParams, stop) -> str | None:
+        if any(t in self.eos_ids for t in generated):
+            return "stop"
+        if stop and self.target.tokenizer is not None:
+            text = self.target.tokenizer.decode(generated[-64:])
+            if any(s in text for s in stop):
+                return "stop"
+        return "length" if len(generated) >= sampling.max_tokens else None
+
+    def _truncate(self, generated, sampling: SamplingParams, stop, finish) -> tuple[list[int], str]:
+        """Cut at the first EOS (kept), the first stop string (removed from the text) or max_tokens."""
+        for i, t in enumerate(generated):
+            if t in self.eos_ids:
+                return generated[: i + 1], "stop"
+        if stop and self.target.tokenizer is not None:
+            for i in range(1, len(generated) + 1):
+                if any(s in self.target.tokenizer.decode(generated[max(0, i - 64) : i]) for s in stop):
+                    return generated[:i], "stop"
+        return generated[: sampling.max_tokens], "length" if len(generated) >= sampling.max_tokens else finish
+
+    def _result(self, prompt_ids, generated, finish, steps, captured, sampling, request_id, t0) -> GenerationResult:
+        tok = self.target.tokenizer
+        text = ""
+        if tok is not None:
+            body = [t for t in generated if t not in self.eos_ids]
+            text = tok.decode(body, skip_special_tokens=True)
+        ids = prompt_ids + generated
+        aux = None
+        if captured:
+            aux = torch.cat(captured)[: len(ids)].numpy().astype(np.float32)
+        trace = TraceRecord(
+            request_id=request_id, target_fingerprint=self.target.fingerprint, head_version=self.head_version,
+            backend="reference", input_ids=tuple(ids), loss_mask=tuple([0] * len(prompt_ids) + [1] * len(generated)),
+            steps=tuple(steps), sampling=sampling, aux_hidden=aux,
+            aux_layer_ids=tuple(self.target.aux_layer_ids) if aux is not None else (),
+        )
+        return GenerationResult(text, generated, finish, trace, time.perf_counter() - t0, steps)

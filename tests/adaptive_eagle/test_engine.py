@@ -1,0 +1,126 @@
+"""The engine is lossless: greedy speculative output == plain greedy output, token for token."""
+
+import pytest
+import torch
+
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
+from adaptive_eagle.engine import EngineConfig, GenerationError, SpeculativeEngine
+from adaptive_eagle.targets import tiny_target
+from adaptive_eagle.trace import SamplingParams
+
+
+def tiny_setup(seed=0, vocab=32, dtype=torch.float64, draft_vocab=None):
+    target = tiny_target(seed=seed, dtype=dtype, vocab_size=vocab, num_layers=6, initializer_range=0.15)
+    cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=draft_vocab or vocab,
+                                      aux_layer_ids=target.aux_layer_ids)
+    torch.manual_seed(seed + 7)
+    head = Eagle3DraftHead(cfg)
+    init_weights(head, std=0.1)
+    head.embed_tokens.weight.data.copy_(target.input_embeddings())
+    if draft_vocab:
+        head.set_draft_vocab(torch.randperm(vocab)[:draft_vocab].sort().values)
+    return target, head.to(dtype)
+
+
+def plain_greedy(target, prompt, n):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = target.model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("cfg", [EngineConfig(depth=1, topk=1, num_draft_tokens=1),
+                                 EngineConfig(depth=4, topk=1, num_draft_tokens=4),
+                                 EngineConfig(depth=4, topk=4, num_draft_tokens=12),
+                                 EngineConfig(depth=6, topk=8, num_draft_tokens=40)])
+def test_greedy_equals_plain_greedy(cfg):
+    target, head = tiny_setup()
+    engine = SpeculativeEngine(target, head, cfg)
+    plain = SpeculativeEngine(target, None, cfg)
+    g = torch.Generator().manual_seed(0)
+    accepted = 0
+    for i in range(6):
+        prompt = torch.randint(3, 32, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        want = plain_greedy(target, prompt, 24)
+        sp = SamplingParams(temperature=0, max_tokens=24)
+        res = engine.generate(prompt, sp)
+        base = plain.generate(prompt, sp)
+        cut = min(len(want), len(res.token_ids))
+        assert res.token_ids[:cut] == want[:cut] and base.token_ids[:cut] == want[:cut]
+        assert res.token_ids == base.token_ids
+        accepted += sum(s.accept_length for s in res.steps)
+    if cfg.topk > 1:
+        assert accepted > 0  # multi-token acceptance paths were exercised
+
+
+def test_reduced_draft_vocab_is_still_lossless():
+    target, head = tiny_setup(seed=3, draft_vocab=20)
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=4, num_draft_tokens=10))
+    prompt = [5, 9, 3, 17]
+    got = engine.generate(prompt, SamplingParams(max_tokens=20)).token_ids
+    want = plain_greedy(target, prompt, 20)
+    assert got == want[: len(got)]
+    assert len(got) == 20 or got[-1] in engine.eos_ids  # stopped early only at EOS
+
+
+def test_captured_hidden_states_equal_a_fresh_forward():
+    target, head = tiny_setup(seed=1)
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=4, num_draft_tokens=8))
+    res = engine.generate([4, 8, 15, 16, 23], SamplingParams(max_tokens=16), capture=True)
+    ids = torch.tensor([list(res.trace.input_ids)])
+    fresh = target.features(ids).aux[0]
+    got = torch.from_numpy(res.trace.aux_hidden)
+    assert got.shape[0] == ids.shape[1] - 1
+    torch.testing.assert_close(got, fresh[: got.shape[0]].float(), rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_after_acceptance_equals_plain_cache():
+    from transformers import DynamicCache
+
+    target, head = tiny_setup(seed=2)
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=4, topk=4, num_draft_tokens=12))
+    captured = {}
+    orig = engine._keep_cache
+
+    def spy(cache, keep):
+        orig(cache, keep)
+        captured["cache"] = cache
+
+    engine._keep_cache = spy
+    res = engine.generate([3, 1, 4, 1, 5], SamplingParams(max_tokens=12))
+    cache = captured["cache"]
+    n_cached = cache.get_seq_length()
+    ids = torch.tensor([list(res.trace.input_ids)[:n_cached]])
+    ref = DynamicCache()
+    with torch.no_grad():
+        target.model(ids, past_key_values=ref, use_cache=True)
+    for a, b in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-6, atol=1e-8)
+
+
+def test_trace_records_steps():
+    target, head = tiny_setup()
+    res = SpeculativeEngine(target, head).generate([7, 7, 7], SamplingParams(max_tokens=10))
+    tr = res.trace
+    assert tr.loss_mask.count(1) == len(res.token_ids) and tr.backend == "reference"
+    assert all(s.tree_size >= 1 and 0 <= s.accept_length <= s.tree_size for s in tr.steps)
+    assert sum(s.accept_length + 1 for s in tr.steps) + 1 >= len(res.token_ids)
+
+
+def test_bad_inputs_are_refused():
+    target, head = tiny_setup()
+    engine = SpeculativeEngine(target, head)
+    with pytest.raises(GenerationError, match="empty"):
+        engine.generate([], SamplingParams())
+    with pytest.raises(GenerationError, match="context"):
+        engine.generate([3] * 1030, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    other, _ = tiny_setup(vocab=48)
+    with pytest.raises(GenerationError, match="vocab"):
+        SpeculativeEngine(other, head)
