@@ -20,6 +20,15 @@ app = typer.Typer(
 SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v1"
 
 
+def _mount_store() -> None:
+    from feature_store.cli import store_app  # imports only typer at module level
+
+    app.add_typer(store_app, name="store")
+
+
+_mount_store()
+
+
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)

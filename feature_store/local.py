@@ -292,8 +292,8 @@ class LocalBackend:
             lag = pending = 0
             if group is not None:
                 g = self._group(group)
-                lag = sum(1 for _, pl, _ in self._iter_from(g.commit) if pl is not None)
                 pending = len(g.pending)
+                lag = pending + sum(1 for _, pl, _ in self._iter_from(g.cursor) if pl is not None)
             return BackendStats("local", total, nbytes, lag, pending, self.counters())
 
     def maintain(self, now: float | None = None) -> None:
