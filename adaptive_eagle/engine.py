@@ -24,7 +24,8 @@ import torch
 from adaptive_eagle.draft_head import DraftKVCache, Eagle3DraftHead
 from adaptive_eagle.targets import Target
 from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
-from adaptive_eagle.tree import DraftTree, build_tree, tree_attention_mask, tree_position_ids
+from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
+from adaptive_eagle.tree import DraftTree, build_tree, chain_tree, merge_trees, tree_attention_mask, tree_position_ids
 from adaptive_eagle.verify import VerifyResult, sampling_probs, verify_greedy, verify_sampling
 
 EMPTY_TREE = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)), torch.zeros(0), torch.zeros(0))
@@ -39,10 +40,15 @@ class EngineConfig:
     depth: int = 5  # draft steps per tree
     topk: int = 4  # children per expanded node, and frontier width
     num_draft_tokens: int = 16  # nodes kept per tree (verified in one target forward)
+    prompt_lookup: bool = True  # merge suffix-match continuations from the request's context
+    lookup_max_tokens: int = 8
+    lookup_min_ngram: int = 2
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1 or self.num_draft_tokens < 1:
             raise ValueError("depth, topk and num_draft_tokens must be >= 1")
+        if self.lookup_max_tokens < 0 or self.lookup_min_ngram < 1:
+            raise ValueError("lookup_max_tokens must be >= 0 and lookup_min_ngram >= 1")
 
 
 @dataclass
@@ -148,7 +154,7 @@ class SpeculativeEngine:
         out = head.step(ids, aux[None].to(head.fc.weight.dtype), pos, hcache.attend_fn(), logits_rows=True)
         return out.hidden[0, -1], torch.log_softmax(out.logits[0, -1].float(), -1)
 
-    def _draft(self, hcache: DraftKVCache, root_hidden, root_logprobs, root_pos: int) -> DraftTree:
+    def _draft(self, hcache: DraftKVCache, root_hidden, root_logprobs, root_pos: int, budget: int) -> DraftTree:
         """Build the dynamic tree with the head; leaves the head cache as it found it."""
         head, cfg = self.head, self.config
         committed = hcache.length
@@ -176,9 +182,37 @@ class SpeculativeEngine:
                 hidden[n] = out.hidden[0, r]
             return torch.log_softmax(out.logits[0].float(), -1)
 
-        tree = build_tree(root_logprobs, expand, cfg.depth, cfg.topk, cfg.num_draft_tokens)
+        tree = build_tree(root_logprobs, expand, cfg.depth, cfg.topk, budget)
         hcache.crop(committed)
         return DraftTree(d2t[tree.tokens], tree.parents, tree.depths, tree.scores, tree.logprobs)
+
+    # ---- proposals: EAGLE tree + model-free chain ------------------------------------------------
+    def _propose(self, context: list[int], hcache, root_hidden, root_lp, root_pos: int, split: BudgetSplit):
+        """The draft tree for this step and, per node, whether the EAGLE tree / the lookup chain
+        proposed it: (tree, (eagle_paths, lookup_tokens))."""
+        cfg = self.config
+        budget = cfg.num_draft_tokens
+        cont = []
+        if cfg.prompt_lookup and cfg.lookup_max_tokens:
+            cont = suffix_match_continuation(context, min(cfg.lookup_max_tokens, budget), cfg.lookup_min_ngram)
+        if self.head is None:
+            return (chain_tree(cont) if cont else EMPTY_TREE), (set(), cont)
+        n_lookup = split.lookup_nodes(budget, len(cont))
+        eagle = self._draft(hcache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup))
+        eagle_paths = {tuple(int(eagle.tokens[j]) for j in eagle.path_to(i)) for i in range(eagle.size)}
+        if not n_lookup:
+            return eagle, (eagle_paths, [])
+        return merge_trees(eagle, chain_tree(cont[:n_lookup]), budget), (eagle_paths, cont[:n_lookup])
+
+    @staticmethod
+    def _account(split: BudgetSplit, tree: DraftTree, sources, res: VerifyResult) -> None:
+        eagle_paths, lookup = sources
+        accepted = list(res.tokens[: res.accept_length])
+        by_lookup = 0
+        while by_lookup < min(len(lookup), len(accepted)) and lookup[by_lookup] == accepted[by_lookup]:
+            by_lookup += 1
+        by_eagle = sum(1 for k in range(1, len(accepted) + 1) if tuple(accepted[:k]) in eagle_paths)
+        split.update(len(lookup), by_lookup, len(eagle_paths), by_eagle)
 
     # ---- the loop --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -199,7 +233,8 @@ class SpeculativeEngine:
         first = self._sample_row(logits[-1:], sampling, generator)
         generated: list[int] = [first]
         steps: list[VerifyStep] = []
-        hcache = None
+        hcache = root_hidden = root_lp = None
+        split = BudgetSplit()
         if self.head is not None:
             hcache = DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.fc.weight.dtype, self.device)
             root_hidden, root_lp = self._head_extend(hcache, prompt_ids[1:] + [first], aux, 0)
@@ -213,11 +248,13 @@ class SpeculativeEngine:
             if finish is not None:
                 break
             root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
-            tree = self._draft(hcache, root_hidden, root_lp, root_pos) if self.head is not None else EMPTY_TREE
+            tree, sources = self._propose(prompt_ids + generated, hcache, root_hidden if self.head else None,
+                                          root_lp if self.head else None, root_pos, split)
             mask = tree_attention_mask(tree, root_pos, self.target.dtype)
             logits, aux = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
                                                tree_position_ids(tree, root_pos), mask)
             res = self._verify(tree, logits, sampling, generator)
+            self._account(split, tree, sources, res)
             rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
             self._keep_cache(cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
             new = list(res.tokens)

@@ -158,8 +158,9 @@ class RedisBackend:
                 raise StoreUnavailable(f"redis ack failed: {e}") from e
 
     def scan(self, since: float | None = None, until: float | None = None) -> Iterator[Entry]:
+        # stream ids are write times (>= a record's created_at): `since` bounds them, `until` cannot
         lo = f"{int(since * 1000)}-0" if since is not None else "-"
-        hi = f"{int(until * 1000)}-18446744073709551615" if until is not None else "+"
+        hi = "+"
         while True:
             page = self._entries(self.r.xrange(self.key, lo, hi, count=SCAN_PAGE))
             yield from page
