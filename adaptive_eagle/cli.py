@@ -152,6 +152,71 @@ def import_head(
     typer.echo(meta.to_json())
 
 
+@app.command("generate")
+def generate(
+    prompt: str = typer.Argument(..., help="the user message (chat-templated) to answer"),
+    head: str = typer.Option(str(SHIPPED_HEAD), help="head version directory, or 'none' for plain decoding"),
+    target: str = typer.Option("smollm2-135m", help="built-in target name or local HF model directory"),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples (lossless either way)"),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0),
+    max_tokens: int = typer.Option(256),
+    depth: int = typer.Option(5, help="draft tree depth"),
+    topk: int = typer.Option(4, help="children per expanded node"),
+    num_draft_tokens: int = typer.Option(16, help="tree nodes verified per target forward"),
+    prompt_lookup: bool = typer.Option(True, help="merge suffix-match drafts from the context into the tree"),
+    stop: Optional[list[str]] = typer.Option(None, help="stop string (repeatable)"),
+    seed: Optional[int] = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Generate with EAGLE-3 speculative decoding; prints the text and a one-line summary."""
+    import torch
+
+    from adaptive_eagle.checkpoint import HeadValidationError, load_head
+    from adaptive_eagle.engine import EngineConfig, GenerationError, SpeculativeEngine
+    from adaptive_eagle.targets import load_target
+    from adaptive_eagle.trace import SamplingParams
+
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
+        cfg = EngineConfig(depth=depth, topk=topk, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup)
+    except ValueError as e:
+        _fail(str(e))
+    tgt = load_target(target)
+    draft, version = None, None
+    if head.lower() != "none":
+        try:
+            loaded = load_head(Path(head), tgt)
+        except (HeadValidationError, FileNotFoundError) as e:
+            _fail(f"head refused: {e}")
+        draft, version = loaded.head.to(tgt.dtype), loaded.meta.version
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    try:
+        engine = SpeculativeEngine(tgt, draft, cfg, head_version=version)
+        if as_json:
+            res = engine.generate(prompt, sampling, stop=stop, generator=gen)
+        else:
+            res, ids, shown = None, [], ""
+            for new, final in engine.stream(prompt, sampling, stop=stop, generator=gen):
+                if final is not None:
+                    res = final
+                    break
+                ids += [t for t in new if t not in engine.eos_ids]
+                text = tgt.tokenizer.decode(ids, skip_special_tokens=True)
+                typer.echo(text[len(shown):], nl=False)
+                shown = text
+            typer.echo("")
+    except GenerationError as e:
+        _fail(str(e))
+    summary = {"text": res.text, "token_ids": res.token_ids, "accept_length_mean": round(res.accept_length_mean, 3),
+               "tokens_per_s": round(res.tokens_per_s, 2), "head_version": version, "finish_reason": res.finish_reason}
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.secho(f"[{len(res.token_ids)} tokens, {res.tokens_per_s:.1f} tok/s, mean accept length "
+                    f"{res.accept_length_mean:.2f}, head {version or 'none'}]", fg=typer.colors.CYAN, err=True)
+
+
 @app.command("target-info")
 def target_info(target: str = typer.Argument("smollm2-135m", help="built-in name or local HF directory")) -> None:
     """Load a target (dequantising the built-in GGUF once) and print its facts."""

@@ -108,3 +108,15 @@ def test_export_then_import_a_tiny_head(runner, tmp_path):
     meta = json.loads(res.output)
     assert meta["training"] == {"recipe": "imported"} and meta["target_fingerprint"] == ""
     assert (tmp_path / "back" / "head.json").exists()
+
+
+def test_generate_help_and_bad_input():
+    from typer.testing import CliRunner
+
+    from adaptive_eagle.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["generate", "--help"])
+    assert res.exit_code == 0 and "--temperature" in res.output and "--json" in res.output
+    bad = runner.invoke(app, ["generate", "hi", "--max-tokens", "0", "--head", "none"])
+    assert bad.exit_code != 0 and "invalid sampling" in bad.output

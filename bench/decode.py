@@ -1,0 +1,152 @@
+"""Decoding speed on CPU, batch 1, greedy: plain decoding, HF generate() (plain and with prompt
+lookup) and this engine (chain, tree, tree + lookup), side by side in one run, on held-out ShareGPT
+English prompts and on a repetitive set (rewrite a given code block: the answer quotes its input).
+
+Methods run interleaved prompt by prompt, so machine noise hits them alike. Reports tokens/s, mean
+accept length (tokens per target forward) and speedups; ends with one JSON line holding
+speedup_vs_plain, speedup_vs_prompt_lookup and accept_length_mean (the engine's tree + lookup on
+English). Speculative outputs are compared token for token with plain decoding (bf16 near-ties can
+flip an argmax between a one-token and a tree forward; mismatches are counted, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from adaptive_eagle.checkpoint import load_head  # noqa: E402
+from adaptive_eagle.engine import EngineConfig, SpeculativeEngine  # noqa: E402
+from adaptive_eagle.targets import load_target  # noqa: E402
+from adaptive_eagle.trace import SamplingParams  # noqa: E402
+from trainer import data as D  # noqa: E402
+
+SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v1"
+
+
+def english_prompts(n: int, max_chars: int = 1200) -> list[str]:
+    convs = D.select(D.load_sharegpt(), domains=["english"], split="heldout")
+    out = []
+    for c in convs:
+        first = next((m.content for m in c.messages if m.role == "user"), "")
+        if 20 <= len(first) <= max_chars:
+            out.append(first)
+        if len(out) == n:
+            break
+    return out
+
+
+def code_rewrite_prompts(n: int) -> list[str]:
+    convs = D.select(D.load_sharegpt(), domains=["code"], split="heldout")
+    out = []
+    for c in convs:
+        for m in c.messages:
+            block = re.search(r"```[a-zA-Z]*\n(.{200,900}?)```", m.content, re.S) if m.role == "assistant" else None
+            if block:
+                out.append("Here is some code:\n```\n" + block.group(1) + "```\nRepeat this code exactly, adding a "
+                           "one-line comment at the top that says what it does.")
+                break
+        if len(out) == n:
+            break
+    return out
+
+
+def hf_generate(target, ids, max_new, lookup: int | None):
+    x = torch.tensor([ids])
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                pad_token_id=target.tokenizer.eos_token_id, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def run_set(name, prompts, target, engines, max_new):
+    rows = {m: {"tokens": 0, "seconds": 0.0, "accept": [], "mismatch": 0} for m in ["plain", "hf", "hf-lookup", *engines]}
+    for i, prompt in enumerate(prompts):
+        ids = engines["tree+lookup"].encode(prompt)
+        sp = SamplingParams(max_tokens=max_new)
+        ref = None
+        for m in rows:
+            t0 = time.perf_counter()
+            if m == "plain":
+                toks = engines["plain"].generate(ids, sp).token_ids
+            elif m.startswith("hf"):
+                toks = hf_generate(target, ids, max_new, 10 if m == "hf-lookup" else None)
+            else:
+                res = engines[m].generate(ids, sp)
+                toks = res.token_ids
+                rows[m]["accept"].append(res.accept_length_mean)
+            dt = time.perf_counter() - t0
+            rows[m]["tokens"] += len(toks)
+            rows[m]["seconds"] += dt
+            if m == "plain":
+                ref = toks
+            elif toks[: len(ref)] != ref[: len(toks)]:
+                rows[m]["mismatch"] += 1
+        print(f"  [{name}] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    table = {}
+    for m, r in rows.items():
+        tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+        table[m] = {"tokens_per_s": round(tps, 2), "accept_length_mean": round(statistics.mean(r["accept"]), 3)
+                    if r["accept"] else 1.0, "mismatches": r["mismatch"]}
+    base = table["plain"]["tokens_per_s"] or 1e-9
+    print(f"\n{name}: {len(prompts)} prompts, {max_new} new tokens each")
+    print(f"{'method':14s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} {'mismatch':>9s}")
+    for m, r in table.items():
+        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base, 3)
+        print(f"{m:14s} {r['tokens_per_s']:8.2f} {r['speedup_vs_plain']:8.2f} {r['accept_length_mean']:7.2f} "
+              f"{r['mismatches']:9d}")
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--head", type=Path, default=SHIPPED)
+    ap.add_argument("--quick", action="store_true", help="3 prompts per set, 48 new tokens")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=16)
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.max_new = 3, 48
+    torch.manual_seed(0)
+    target = load_target()
+    loaded = load_head(args.head, target)
+    head = loaded.head.to(target.dtype)
+    tree = dict(depth=args.depth, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+    engines = {
+        "plain": SpeculativeEngine(target, None, EngineConfig(prompt_lookup=False)),
+        "chain": SpeculativeEngine(target, head, EngineConfig(depth=args.depth, topk=1, num_draft_tokens=args.depth,
+                                                              prompt_lookup=False), loaded.meta.version),
+        "tree": SpeculativeEngine(target, head, EngineConfig(**tree, prompt_lookup=False), loaded.meta.version),
+        "tree+lookup": SpeculativeEngine(target, head, EngineConfig(**tree, prompt_lookup=True), loaded.meta.version),
+    }
+    spec = {k: v for k, v in engines.items() if k != "plain"}
+    with torch.inference_mode():
+        eng = run_set("english", english_prompts(args.prompts), target, {**spec, "plain": engines["plain"]}, args.max_new)
+        rep = run_set("repetitive", code_rewrite_prompts(args.prompts), target, {**spec, "plain": engines["plain"]},
+                      args.max_new)
+    best = eng["tree+lookup"]
+    figures = {
+        "speedup_vs_plain": best["speedup_vs_plain"],
+        "speedup_vs_prompt_lookup": round(best["tokens_per_s"] / max(1e-9, eng["hf-lookup"]["tokens_per_s"]), 3),
+        "accept_length_mean": best["accept_length_mean"],
+        "repetitive_speedup_vs_plain": rep["tree+lookup"]["speedup_vs_plain"],
+        "repetitive_speedup_vs_prompt_lookup": round(
+            rep["tree+lookup"]["tokens_per_s"] / max(1e-9, rep["hf-lookup"]["tokens_per_s"]), 3),
+        "english": eng, "repetitive": rep, "head": loaded.meta.version, "quick": args.quick,
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
