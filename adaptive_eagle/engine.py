@@ -14,6 +14,7 @@ d sits at root_position - 1 + d in the head and at root_position + d in the targ
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -40,6 +41,7 @@ class EngineConfig:
     depth: int = 5  # draft steps per tree
     topk: int = 4  # children per expanded node, and frontier width
     num_draft_tokens: int = 16  # nodes kept per tree (verified in one target forward)
+    min_path_prob: float = 0.02  # stop drafting deeper once every frontier path is less likely than this
     prompt_lookup: bool = True  # merge suffix-match continuations from the request's context
     lookup_max_tokens: int = 8
     lookup_min_ngram: int = 2
@@ -182,7 +184,8 @@ class SpeculativeEngine:
                 hidden[n] = out.hidden[0, r]
             return torch.log_softmax(out.logits[0].float(), -1)
 
-        tree = build_tree(root_logprobs, expand, cfg.depth, cfg.topk, budget)
+        min_score = math.log(cfg.min_path_prob) if cfg.min_path_prob > 0 else float("-inf")
+        tree = build_tree(root_logprobs, expand, cfg.depth, cfg.topk, budget, min_score)
         hcache.crop(committed)
         return DraftTree(d2t[tree.tokens], tree.parents, tree.depths, tree.scores, tree.logprobs)
 

@@ -65,8 +65,12 @@ class _Candidate:
     logprob: float
 
 
-def build_tree(root_logprobs: torch.Tensor, expand: ExpandFn, depth: int, topk: int, num_draft_tokens: int) -> DraftTree:
-    """root_logprobs: [V] draft log-probs of the root's children. See the module docstring."""
+def build_tree(root_logprobs: torch.Tensor, expand: ExpandFn, depth: int, topk: int, num_draft_tokens: int,
+               min_score: float = float("-inf")) -> DraftTree:
+    """root_logprobs: [V] draft log-probs of the root's children. See the module docstring.
+
+    min_score: stop expanding once no frontier node's cumulative log-prob reaches it (a path the
+    draft itself finds that unlikely is rarely accepted; skipping it saves draft steps)."""
     if depth < 1 or topk < 1 or num_draft_tokens < 1:
         raise ValueError(f"depth, topk and num_draft_tokens must be >= 1 (got {depth}, {topk}, {num_draft_tokens})")
     cands: list[_Candidate] = []
@@ -76,6 +80,7 @@ def build_tree(root_logprobs: torch.Tensor, expand: ExpandFn, depth: int, topk: 
         cands.append(_Candidate(t, -1, 1, p, p))
         frontier.append(len(cands) - 1)
     for d in range(2, depth + 1):
+        frontier = [i for i in frontier if cands[i].score >= min_score]
         if not frontier:
             break
         f_tokens = torch.tensor([cands[i].token for i in frontier])
