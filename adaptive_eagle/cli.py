@@ -167,6 +167,7 @@ def generate(
     prompt_lookup: bool = typer.Option(True, help="merge suffix-match drafts from the context into the tree"),
     stop: Optional[list[str]] = typer.Option(None, help="stop string (repeatable)"),
     seed: Optional[int] = typer.Option(None),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ..."),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate with EAGLE-3 speculative decoding; prints the text and a one-line summary."""
@@ -182,11 +183,11 @@ def generate(
         cfg = EngineConfig(depth=depth, topk=topk, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup)
     except ValueError as e:
         _fail(str(e))
-    tgt = load_target(target)
+    tgt = load_target(target, device=device)
     draft, version = None, None
     if head.lower() != "none":
         try:
-            loaded = load_head(Path(head), tgt)
+            loaded = load_head(Path(head), tgt, device=tgt.device)
         except (HeadValidationError, FileNotFoundError) as e:
             _fail(f"head refused: {e}")
         draft, version = loaded.head.to(tgt.dtype), loaded.meta.version

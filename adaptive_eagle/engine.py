@@ -284,7 +284,7 @@ class SpeculativeEngine:
         if sampling.temperature == 0:
             return int(logits_row[-1].argmax())
         probs = sampling_probs(logits_row[-1:], sampling.temperature, sampling.top_p, sampling.top_k)
-        return int(torch.multinomial(probs[0], 1, generator=generator))
+        return int(torch.multinomial(probs[0].cpu(), 1, generator=generator))
 
     def _verify(self, tree, logits, sampling: SamplingParams, generator) -> VerifyResult:
         if sampling.temperature == 0:

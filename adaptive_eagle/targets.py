@@ -57,6 +57,13 @@ def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     return torch.bfloat16
 
 
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """'auto' picks CUDA when present, else the CPU; anything else is taken as given."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 @dataclass
 class Target:
     """A loaded target: model, tokenizer, fingerprint and aux-layer ids (input-of-layer convention)."""
@@ -190,6 +197,7 @@ def load_target(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_target_path(name_or_path)
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()

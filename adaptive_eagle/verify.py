@@ -97,7 +97,9 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
 
 
 def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None = None) -> VerifyResult:
-    """target_probs: [N + 1, V] the target's sampling distribution per verify row."""
+    """target_probs: [N + 1, V] the target's sampling distribution per verify row. Runs on the CPU
+    (a CPU generator drives it, so results are reproducible on any device)."""
+    target_probs = target_probs.detach().cpu()
     kids = _children_lists(tree)
     tokens = tree.tokens.tolist()
     path: list[int] = []

@@ -60,7 +60,7 @@ def code_rewrite_prompts(n: int) -> list[str]:
 
 
 def hf_generate(target, ids, max_new, lookup: int | None):
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=target.device)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
                                 pad_token_id=target.tokenizer.eos_token_id, **kw)
@@ -115,12 +115,13 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--num-draft-tokens", type=int, default=16)
+    ap.add_argument("--device", default="auto", help="auto: CUDA when present")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.max_new = 3, 48
     torch.manual_seed(0)
-    target = load_target()
-    loaded = load_head(args.head, target)
+    target = load_target(device=args.device)
+    loaded = load_head(args.head, target, device=target.device)
     head = loaded.head.to(target.dtype)
     tree = dict(depth=args.depth, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
     engines = {

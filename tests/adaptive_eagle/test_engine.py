@@ -1,5 +1,7 @@
 """The engine is lossless: greedy speculative output == plain greedy output, token for token."""
 
+import os
+
 import pytest
 import torch
 
@@ -9,8 +11,12 @@ from adaptive_eagle.targets import tiny_target
 from adaptive_eagle.trace import SamplingParams
 
 
+DEVICE = os.environ.get("ADAPTIVE_EAGLE_TEST_DEVICE", "cpu")  # bench/gpu_check.sh sets cuda
+
+
 def tiny_setup(seed=0, vocab=32, dtype=torch.float64, draft_vocab=None):
     target = tiny_target(seed=seed, dtype=dtype, vocab_size=vocab, num_layers=6, initializer_range=0.15)
+    target.model.to(DEVICE)
     cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=draft_vocab or vocab,
                                       aux_layer_ids=target.aux_layer_ids)
     torch.manual_seed(seed + 7)
@@ -19,11 +25,11 @@ def tiny_setup(seed=0, vocab=32, dtype=torch.float64, draft_vocab=None):
     head.embed_tokens.weight.data.copy_(target.input_embeddings())
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(vocab)[:draft_vocab].sort().values)
-    return target, head.to(dtype)
+    return target, head.to(dtype).to(DEVICE)
 
 
 def plain_greedy(target, prompt, n):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
     with torch.no_grad():
         for _ in range(n):
             nxt = target.model(ids).logits[0, -1].argmax()
@@ -69,8 +75,8 @@ def test_captured_hidden_states_equal_a_fresh_forward():
     target, head = tiny_setup(seed=1)
     engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=4, num_draft_tokens=8))
     res = engine.generate([4, 8, 15, 16, 23], SamplingParams(max_tokens=16), capture=True)
-    ids = torch.tensor([list(res.trace.input_ids)])
-    fresh = target.features(ids).aux[0]
+    ids = torch.tensor([list(res.trace.input_ids)], device=target.device)
+    fresh = target.features(ids).aux[0].cpu()
     got = torch.from_numpy(res.trace.aux_hidden)
     assert got.shape[0] == ids.shape[1] - 1
     torch.testing.assert_close(got, fresh[: got.shape[0]].float(), rtol=1e-5, atol=1e-5)
@@ -92,7 +98,7 @@ def test_kv_cache_after_acceptance_equals_plain_cache():
     res = engine.generate([3, 1, 4, 1, 5], SamplingParams(max_tokens=12))
     cache = captured["cache"]
     n_cached = cache.get_seq_length()
-    ids = torch.tensor([list(res.trace.input_ids)[:n_cached]])
+    ids = torch.tensor([list(res.trace.input_ids)[:n_cached]], device=target.device)
     ref = DynamicCache()
     with torch.no_grad():
         target.model(ids, past_key_values=ref, use_cache=True)
@@ -139,7 +145,7 @@ def test_sampling_keeps_the_target_distribution():
 
     def dist(ids):
         with torch.no_grad():
-            return torch.softmax(target.model(torch.tensor([ids])).logits[0, -1].double(), -1)
+            return torch.softmax(target.model(torch.tensor([ids], device=target.device)).logits[0, -1].double(), -1).cpu()
 
     p1 = dist(prompt)
     p2 = torch.zeros(8, dtype=torch.float64)
