@@ -1,10 +1,15 @@
 """Feature-store benchmark: codec bytes per token and error, ingest (records/s, MB/s) on loopback
-Redis and the local backend, and the caller-side latency of put().
+Redis and the local backend, the caller-side latency of put() and, with `--acceptance HEAD_DIR`, the
+effect of each codec on a trained head's held-out acceptance.
 
 Baseline vs subject in one run: bf16 (baseline codec) vs the default codec, on both backends.
 Shapes are SmolLM2's: aux hidden = 3 x 576 floats per token; values are Gaussian rows with
 per-row scales and a few large outlier channels (synthetic, realistic scale).
-Final line: one JSON object (put_p99_ms, default_codec_bytes_ratio, redis_ingest_mb_s, ...).
+Acceptance (optional): the real SmolLM2 target's aux features of N held-out English conversations
+(8 with --quick, else 24), passed through each codec (encode -> decode, rows as schema.py stores them)
+and scored by `trainer.offline.evaluate` (exact target argmax) against the uncompressed features.
+Final line: one JSON object (put_p99_ms, default_codec_bytes_ratio, redis_ingest_mb_s, ...; with
+--acceptance also default_codec_accept_length_loss, the relative accept-length loss of the default codec).
 Starts its own redis-server unless ADAPTIVE_EAGLE_TEST_REDIS_URL is set.
 """
 
@@ -26,12 +31,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adaptive_eagle.trace import TraceRecord, VerifyStep  # noqa: E402
-from feature_store.codecs import BASELINE_CODEC, DEFAULT_CODEC, reconstruction_error  # noqa: E402
+from feature_store.codecs import BASELINE_CODEC, CODECS, DEFAULT_CODEC, get_codec, reconstruction_error  # noqa: E402
 from feature_store.config import StoreConfig  # noqa: E402
 from feature_store.schema import encode_record  # noqa: E402
 from feature_store.writer import StoreWriter  # noqa: E402
 
 N_AUX, HIDDEN = 3, 576
+ACCEPT_MAX_LEN, ACCEPT_BATCH_TOKENS = 512, 4096
 
 
 def aux_rows(tokens: int, rng: np.random.Generator) -> np.ndarray:  # [tokens, 3 * 576]
@@ -89,9 +95,81 @@ def ingest(cfg: StoreConfig, records: list[TraceRecord], payload_bytes: int) -> 
             "put_max_ms": float(lat.max() * 1e3), "written": s.written, "dropped": s.dropped}
 
 
+def codec_round_trip(aux, lengths, codec: str, n_aux: int):
+    """aux [B, T, n_aux * H] -> (the same features after encode -> decode through `codec`, in aux's dtype;
+    bytes; squared error; squared norm). Each sequence's real positions are encoded as [T * n_aux, H]
+    rows, as schema.py stores them; padding is left as it is."""
+    import torch
+
+    c, out = get_codec(codec), aux.clone()
+    nbytes, err2, norm2 = 0, 0.0, 0.0
+    for b in range(aux.shape[0]):
+        n = int(lengths[b])
+        x = aux[b, :n].detach().float().cpu().numpy().reshape(n * n_aux, -1)  # [n * n_aux, H]
+        buf = c.encode(x)
+        y = torch.from_numpy(c.decode(buf, *x.shape).reshape(n, -1)).to(aux.dtype)  # [n, n_aux * H]
+        out[b, :n] = y.to(aux.device)
+        d = y.double().numpy().reshape(x.shape) - x
+        nbytes += len(buf)
+        err2, norm2 = err2 + float((d * d).sum()), norm2 + float((x.astype(np.float64) ** 2).sum())
+    return out, nbytes, err2, norm2
+
+
+def acceptance(head_dir: str, n_convs: int) -> dict:
+    """Held-out accept length and alpha[0] of the head at head_dir per codec, on the real SmolLM2 features."""
+    import dataclasses
+
+    from adaptive_eagle.checkpoint import load_head
+    from adaptive_eagle.targets import load_target
+    from trainer.offline import TrainHeadConfig, batches, evaluate, make_ttt_batch
+    from trainer.train_head import load_examples
+
+    target = load_target()
+    head = load_head(head_dir, target).head.float()
+    # the first n_convs usable ones (load_examples drops conversations with under 16 assistant tokens)
+    exs = load_examples(TrainHeadConfig(max_len=ACCEPT_MAX_LEN), target, "heldout", ["english"], limit=4 * n_convs)
+    exs = exs[:n_convs]
+    exact = [make_ttt_batch(target, head, b, ACCEPT_MAX_LEN, exact=True)
+             for _, b in batches(exs, list(range(len(exs))), ACCEPT_BATCH_TOKENS, ACCEPT_MAX_LEN)]
+    n_aux, tokens = len(target.aux_layer_ids), int(sum(int(b.lengths.sum()) for b in exact))
+    rows = {"uncompressed": {**evaluate(head, target, None, cached=exact), "bytes_per_token": None, "rel_rms": 0.0}}
+    scored: dict[str, dict] = {}  # X and X-zstd decode to the same features (zstd is lossless): score once
+    for name in sorted(CODECS):
+        trips = [codec_round_trip(b.aux, b.lengths, name, n_aux) for b in exact]
+        key = name.removesuffix("-zstd")
+        if key not in scored:
+            cached = [dataclasses.replace(b, aux=t[0]) for b, t in zip(exact, trips)]
+            scored[key] = evaluate(head, target, None, cached=cached)
+        rows[name] = {**scored[key], "bytes_per_token": sum(t[1] for t in trips) / tokens,
+                      "rel_rms": (sum(t[2] for t in trips) / sum(t[3] for t in trips)) ** 0.5}
+    return {"rows": rows, "conversations": len(exs), "tokens": tokens}
+
+
+def print_acceptance(acc: dict) -> dict:
+    """Print the per-codec acceptance table; returns {codec: relative accept-length loss vs uncompressed}."""
+    rows = acc["rows"]
+    ref, bf16 = rows["uncompressed"]["accept_length"], rows[BASELINE_CODEC]["accept_length"]
+    bf16_bytes = rows[BASELINE_CODEC]["bytes_per_token"]
+    print(f"\nacceptance: {acc['conversations']} held-out English conversations, {acc['tokens']} tokens, real SmolLM2 "
+          "features through each codec (loss = relative accept-length drop; bar for the default: <= 1%)")
+    print(f"{'codec':14s} {'B/token':>8s} {'vs bf16':>8s} {'rel RMS':>9s} {'alpha0':>7s} {'accept len':>10s} "
+          f"{'loss':>8s} {'vs bf16':>8s}")
+    losses = {}
+    for name, r in rows.items():
+        losses[name] = (ref - r["accept_length"]) / ref
+        size = ("" if r["bytes_per_token"] is None else
+                f"{r['bytes_per_token']:8.0f} {r['bytes_per_token'] / bf16_bytes:8.3f}")
+        mark = " (default)" if name == DEFAULT_CODEC else ""
+        print(f"{name:14s} {size:>17s} {r['rel_rms']:9.2e} {r['alpha'][0]:7.4f} {r['accept_length']:10.4f} "
+              f"{losses[name]:8.2%} {(bf16 - r['accept_length']) / bf16:8.2%}{mark}")
+    return losses
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short run (under a minute)")
+    ap.add_argument("--acceptance", metavar="HEAD_DIR", default=None,
+                    help="also measure each codec's effect on this head's held-out acceptance (default: skip)")
     args = ap.parse_args()
     n, tokens = (120, 256) if args.quick else (1000, 512)
     records = make_records(n, tokens)
@@ -129,6 +207,15 @@ def main() -> None:
               f"{m['put_p50_ms']:11.4f} {m['put_p99_ms']:11.4f} {m['put_max_ms']:11.3f} {m['dropped']:8d}")
     get = {(b, c): m for b, c, _, m in rows}
     sub_r, sub_l = get[("redis", DEFAULT_CODEC)], get[("local", DEFAULT_CODEC)]
+    extra = {}
+    if args.acceptance:
+        acc = acceptance(args.acceptance, 8 if args.quick else 24)
+        losses = print_acceptance(acc)
+        extra = {"default_codec_accept_length_loss": round(losses[DEFAULT_CODEC], 5),
+                 "accept_length": {k: round(r["accept_length"], 4) for k, r in acc["rows"].items()},
+                 "real_bytes_ratio": {k: round(r["bytes_per_token"] / acc["rows"][BASELINE_CODEC]["bytes_per_token"], 4)
+                                      for k, r in acc["rows"].items() if r["bytes_per_token"] is not None},
+                 "acceptance_head": args.acceptance, "acceptance_conversations": acc["conversations"]}
     print(json.dumps({
         "put_p99_ms": round(max(m["put_p99_ms"] for *_, m in rows), 4),
         "default_codec": DEFAULT_CODEC,
@@ -139,7 +226,7 @@ def main() -> None:
         "redis_bf16_ingest_mb_s": round(get[("redis", BASELINE_CODEC)]["mb_s"], 2),
         "local_ingest_mb_s": round(sub_l["mb_s"], 2), "local_ingest_records_s": round(sub_l["records_s"], 1),
         "local_bf16_ingest_mb_s": round(get[("local", BASELINE_CODEC)]["mb_s"], 2),
-        "dropped": sum(m["dropped"] for *_, m in rows), "records": n, "tokens_per_record": tokens,
+        "dropped": sum(m["dropped"] for *_, m in rows), "records": n, "tokens_per_record": tokens, **extra,
     }))
 
 

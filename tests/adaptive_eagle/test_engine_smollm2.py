@@ -1,0 +1,44 @@
+"""The engine on the real SmolLM2-135M with the shipped head: lossless, and the head helps.
+
+float32 so that a one-token forward and a tree forward give the same argmax (bf16 near-ties can
+flip between the two kernels; that is numerical, not a correctness issue, and is counted by
+bench/decode.py instead)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from adaptive_eagle.checkpoint import load_head
+from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
+from adaptive_eagle.targets import load_target
+from adaptive_eagle.trace import SamplingParams
+
+SHIPPED = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-english-v1"
+PROMPTS = ["What is the capital of France? Answer in one sentence.",
+           "Write a haiku about autumn leaves.",
+           "Explain what a hash table is to a beginner."]
+
+
+@pytest.fixture(scope="module")
+def fp32_setup():
+    target = load_target("smollm2-135m", dtype=torch.float32)
+    loaded = load_head(SHIPPED, target, dtype=torch.float32)
+    return target, loaded.head, loaded.meta.version
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [dict(depth=4, topk=1, num_draft_tokens=4), dict(depth=5, topk=4, num_draft_tokens=16)])
+def test_smollm2_greedy_equals_plain(fp32_setup, tree):
+    target, head, version = fp32_setup
+    spec = SpeculativeEngine(target, head, EngineConfig(**tree), head_version=version)
+    plain = SpeculativeEngine(target, None, EngineConfig(prompt_lookup=False))
+    sp = SamplingParams(max_tokens=40)
+    steps = tokens = 0
+    for p in PROMPTS:
+        a, b = spec.generate(p, sp), plain.generate(p, sp)
+        assert a.token_ids == b.token_ids, (p, a.text, b.text)
+        steps += len(a.steps)
+        tokens += len(a.token_ids)
+        assert a.trace.head_version == version
+    assert tokens / max(1, steps) > 1.1  # the shipped head gets drafts accepted
