@@ -145,8 +145,8 @@ def acceptance(head_dir: str, n_convs: int) -> dict:
     return {"rows": rows, "conversations": len(exs), "tokens": tokens}
 
 
-def print_acceptance(acc: dict) -> dict:
-    """Print the per-codec acceptance table; returns {codec: relative accept-length loss vs uncompressed}."""
+def report_acceptance(acc: dict) -> dict:
+    """Print the per-codec acceptance table; returns the fields it adds to the final JSON line."""
     rows = acc["rows"]
     ref, bf16 = rows["uncompressed"]["accept_length"], rows[BASELINE_CODEC]["accept_length"]
     bf16_bytes = rows[BASELINE_CODEC]["bytes_per_token"]
@@ -161,8 +161,22 @@ def print_acceptance(acc: dict) -> dict:
                 f"{r['bytes_per_token']:8.0f} {r['bytes_per_token'] / bf16_bytes:8.3f}")
         mark = " (default)" if name == DEFAULT_CODEC else ""
         print(f"{name:14s} {size:>17s} {r['rel_rms']:9.2e} {r['alpha'][0]:7.4f} {r['accept_length']:10.4f} "
-              f"{losses[name]:8.2%} {(bf16 - r['accept_length']) / bf16:8.2%}{mark}")
-    return losses
+              f"{losses[name]:8.3%} {(bf16 - r['accept_length']) / bf16:8.3%}{mark}")
+    return {"default_codec_accept_length_loss": round(losses[DEFAULT_CODEC], 5),
+            "accept_length": {k: round(r["accept_length"], 4) for k, r in rows.items()},
+            "real_bytes_ratio": {k: round(r["bytes_per_token"] / bf16_bytes, 4)
+                                 for k, r in rows.items() if r["bytes_per_token"] is not None},
+            "acceptance_conversations": acc["conversations"]}
+
+
+def report_codecs(records: list[TraceRecord], tokens: int) -> dict:
+    """Print size and error per codec on one synthetic record; returns {codec: CodecError}."""
+    print(f"codecs on one record of {tokens} tokens x 3 x {HIDDEN} (bytes per token, error vs float32)")
+    rep = reconstruction_error(records[0].aux_hidden.reshape(tokens * N_AUX, HIDDEN))
+    print(f"{'codec':12s} {'B/token':>9s} {'vs bf16':>8s} {'rel RMS':>9s} {'max abs':>9s}")
+    for r in rep:
+        print(f"{r.codec:12s} {r.bytes / tokens:9.0f} {r.bytes_ratio_vs_bf16:8.3f} {r.rel_rms:9.2e} {r.max_abs:9.3f}")
+    return {r.codec: r for r in rep}
 
 
 def main() -> None:
@@ -174,13 +188,7 @@ def main() -> None:
     n, tokens = (120, 256) if args.quick else (1000, 512)
     records = make_records(n, tokens)
 
-    print(f"codecs on one record of {tokens} tokens x 3 x {HIDDEN} (bytes per token, error vs float32)")
-    x = records[0].aux_hidden.reshape(tokens * N_AUX, HIDDEN)
-    rep = reconstruction_error(x)
-    print(f"{'codec':12s} {'B/token':>9s} {'vs bf16':>8s} {'rel RMS':>9s} {'max abs':>9s}")
-    for r in rep:
-        print(f"{r.codec:12s} {r.bytes / tokens:9.0f} {r.bytes_ratio_vs_bf16:8.3f} {r.rel_rms:9.2e} {r.max_abs:9.3f}")
-    by = {r.codec: r for r in rep}
+    by = report_codecs(records, tokens)
 
     url, proc = start_redis()
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-"))
@@ -209,19 +217,14 @@ def main() -> None:
     sub_r, sub_l = get[("redis", DEFAULT_CODEC)], get[("local", DEFAULT_CODEC)]
     extra = {}
     if args.acceptance:
-        acc = acceptance(args.acceptance, 8 if args.quick else 24)
-        losses = print_acceptance(acc)
-        extra = {"default_codec_accept_length_loss": round(losses[DEFAULT_CODEC], 5),
-                 "accept_length": {k: round(r["accept_length"], 4) for k, r in acc["rows"].items()},
-                 "real_bytes_ratio": {k: round(r["bytes_per_token"] / acc["rows"][BASELINE_CODEC]["bytes_per_token"], 4)
-                                      for k, r in acc["rows"].items() if r["bytes_per_token"] is not None},
-                 "acceptance_head": args.acceptance, "acceptance_conversations": acc["conversations"]}
+        extra = {**report_acceptance(acceptance(args.acceptance, 8 if args.quick else 24)),
+                 "acceptance_head": args.acceptance}
     print(json.dumps({
         "put_p99_ms": round(max(m["put_p99_ms"] for *_, m in rows), 4),
         "default_codec": DEFAULT_CODEC,
         "default_codec_bytes_ratio": round(by[DEFAULT_CODEC].bytes_ratio_vs_bf16, 4),
         "default_codec_rel_rms": float(f"{by[DEFAULT_CODEC].rel_rms:.3e}"),
-        "bytes_per_token": {r.codec: round(r.bytes / tokens, 1) for r in rep},
+        "bytes_per_token": {name: round(r.bytes / tokens, 1) for name, r in by.items()},
         "redis_ingest_mb_s": round(sub_r["mb_s"], 2), "redis_ingest_records_s": round(sub_r["records_s"], 1),
         "redis_bf16_ingest_mb_s": round(get[("redis", BASELINE_CODEC)]["mb_s"], 2),
         "local_ingest_mb_s": round(sub_l["mb_s"], 2), "local_ingest_records_s": round(sub_l["records_s"], 1),

@@ -9,12 +9,14 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from feature_store.codecs import DEFAULT_CODEC
+
 
 class StoreConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     backend: Literal["local", "redis"] = Field("local", description="local Arrow segments (embedded) or Redis")
-    codec: str = Field("int8-zstd", description="hidden-state codec name (feature_store.codecs.CODECS)")
+    codec: str = Field(DEFAULT_CODEC, description="hidden-state codec name (feature_store.codecs.CODECS)")
 
     # local backend
     local_root: Optional[str] = Field(None, description="directory of the local backend (segments, offsets)")

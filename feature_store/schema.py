@@ -5,7 +5,7 @@ Owns: column layout, schema version checks, payload (de)serialisation. Must not 
 Layout (one row per record): metadata columns (ids, fingerprint, head version, backend, tenant,
 domain, sampling struct, created_at), token columns (`input_ids` int32, `loss_mask` int8, `steps`
 list of structs) and optional encoded features: `aux_data` holds the hidden states [T, n_aux * H]
-encoded by `aux_codec` as [T * n_aux, H] rows (one int8 scale per token and aux layer), with
+encoded by `aux_codec` as [T * n_aux, H] rows (e.g. int8b: one fp16 scale per 64-channel block of each row), with
 `aux_rows` = T and `aux_cols` = n_aux * H. The schema's metadata carries `trace_schema_version`
 (major.minor): a reader accepts any minor of its major and refuses another major, loudly.
 """
