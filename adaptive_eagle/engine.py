@@ -123,7 +123,8 @@ class SpeculativeEngine:
         limit = self.target.config.max_position_embeddings
         if n_prompt >= limit:
             raise GenerationError(f"prompt has {n_prompt} tokens; the target's context is {limit}")
-        if n_prompt + sampling.max_tokens + self.config.depth + 1 > limit:
+        lookahead = max(self.config.depth, self.config.lookup_max_tokens if self.config.prompt_lookup else 0) + 1
+        if n_prompt + sampling.max_tokens + lookahead > limit:
             raise GenerationError(
                 f"prompt ({n_prompt}) + max_tokens ({sampling.max_tokens}) exceeds the context ({limit})")
 
