@@ -233,7 +233,7 @@ def train_loop(
     bar = tqdm(total=cfg.token_budget, initial=min(state.tokens, cfg.token_budget), unit="tok", unit_scale=True,
                disable=not progress, dynamic_ncols=True, desc="train-head")
     last_ckpt = time.time()
-    t_start, elapsed0 = time.time(), state.elapsed_s
+    t_start, elapsed0, tokens0 = time.time(), state.elapsed_s, state.tokens
     recent = {"correct": [0] * cfg.ttt_steps, "count": [0] * cfg.ttt_steps}
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
     last_eval: dict = {}
@@ -278,7 +278,7 @@ def train_loop(
                                       "loss": round(last_eval["loss"], 4)})
                 log(f"[eval] step {state.step} tokens {state.tokens} "
                     f"alpha {' '.join(f'{a:.3f}' for a in last_eval['alpha'])} "
-                    f"accept_len {last_eval['accept_length']:.3f} ({state.tokens / max(1e-9, state.elapsed_s - elapsed0 + 1e-9):.0f} tok/s)")
+                    f"accept_len {last_eval['accept_length']:.3f} ({(state.tokens - tokens0) / max(1e-9, state.elapsed_s - elapsed0):.0f} tok/s)")
             if time.time() - last_ckpt >= cfg.checkpoint_minutes * 60:
                 save_run_state(run_dir, head, opt, state, cfg, extra)
                 last_ckpt = time.time()
