@@ -118,18 +118,49 @@ def target_features(model, input_ids, attention_mask, aux_layer_ids) -> TargetFe
     return TargetFeatures(aux=aux, last=out.last_hidden_state)
 
 
+FINGERPRINT_SCHEME = 2
+# config keys that say how a directory was written, not what the model computes
+VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "dtype", "torch_dtype",
+                                  "quantization_config", "use_cache", "architectures"})
+
+
 def fingerprint_dir(path: Path) -> str:
-    """sha256 over config.json and the safetensors weights (names sorted): identifies a target."""
-    h = hashlib.sha256()
-    files = sorted(p for p in Path(path).iterdir() if p.name == "config.json" or p.suffix == ".safetensors")
-    if not files:
+    """sha256 over the model's config (sorted keys, without the keys that only record how it was
+    saved, e.g. transformers_version) and its safetensors weights (names sorted): the same weights
+    and architecture give the same fingerprint whatever library version wrote them."""
+    path = Path(path)
+    weights = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+    if not (path / "config.json").exists() or not weights:
         raise FileNotFoundError(f"{path}: no config.json or *.safetensors to fingerprint")
-    for p in files:
+    h = hashlib.sha256()
+    config = json.loads((path / "config.json").read_text())
+    canonical = {k: v for k, v in config.items() if k not in VOLATILE_CONFIG_KEYS}
+    h.update(json.dumps(canonical, sort_keys=True).encode())
+    for p in weights:
         h.update(p.name.encode())
         with open(p, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
     return "sha256:" + h.hexdigest()[:32]
+
+
+def cached_fingerprint(path: Path) -> str:
+    """fingerprint_dir, memoised in <path>/FINGERPRINT (JSON with the scheme; recomputed when the
+    scheme or the weights' sizes/mtimes changed)."""
+    marker = Path(path) / "FINGERPRINT"
+    stamp = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(Path(path).glob("*.safetensors"))]
+    try:
+        saved = json.loads(marker.read_text())
+        if saved.get("scheme") == FINGERPRINT_SCHEME and saved.get("stamp") == stamp:
+            return saved["fingerprint"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    fp = fingerprint_dir(path)
+    try:
+        marker.write_text(json.dumps({"scheme": FINGERPRINT_SCHEME, "stamp": stamp, "fingerprint": fp}))
+    except OSError:
+        pass  # read-only model directory: recompute next time
+    return fp
 
 
 def _package_dir(package: str) -> Path:
@@ -164,7 +195,7 @@ def materialize_builtin(name: str) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / "FINGERPRINT").write_text(fingerprint_dir(tmp))
+    cached_fingerprint(tmp)
     if out.exists():  # another process won the race
         import shutil
 
@@ -203,8 +234,7 @@ def load_target(
     model.to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    fp_file = path / "FINGERPRINT"
-    fingerprint = fp_file.read_text().strip() if fp_file.exists() else fingerprint_dir(path)
+    fingerprint = cached_fingerprint(path)
     n = model.config.num_hidden_layers
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
     if any(not 0 < k < n for k in ids):

@@ -206,3 +206,13 @@ def test_smollm2_aux_convention(smollm2):
     assert feats.aux.shape == (1, ids.shape[1], 3 * h)
     torch.testing.assert_close(feats.aux[..., h : 2 * h], inputs[15], rtol=0, atol=0)
     torch.testing.assert_close(feats.last, hs[-1], rtol=0, atol=0)
+
+
+def test_fingerprint_ignores_how_the_directory_was_written(saved_dir):
+    """A newer transformers writing the same weights must not change the target's identity."""
+    fp = fingerprint_dir(saved_dir)
+    cfg = json.loads((saved_dir / "config.json").read_text())
+    cfg["transformers_version"] = "9.99.0"
+    cfg["_name_or_path"] = "/somewhere/else"
+    (saved_dir / "config.json").write_text(json.dumps(cfg))
+    assert fingerprint_dir(saved_dir) == fp
