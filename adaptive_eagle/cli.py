@@ -221,16 +221,21 @@ def generate(
 @app.command("target-info")
 def target_info(target: str = typer.Argument("smollm2-135m", help="built-in name or local HF directory")) -> None:
     """Load a target (dequantising the built-in GGUF once) and print its facts."""
-    from adaptive_eagle.targets import load_target, sglang_config_layer_ids
+    from adaptive_eagle.targets import load_target
 
-    t = load_target(target)
+    typer.echo(json.dumps(_target_facts(load_target(target)), indent=2))
+
+
+def _target_facts(t) -> dict:
+    from adaptive_eagle.targets import sglang_config_layer_ids
+
     c = t.config
-    typer.echo(json.dumps({
+    return {
         "name": t.name, "path": str(t.path), "fingerprint": t.fingerprint, "layers": c.num_hidden_layers,
         "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": str(t.dtype),
         "aux_layer_ids (input of layer k)": list(t.aux_layer_ids),
         "sglang eagle_aux_hidden_state_layer_ids": sglang_config_layer_ids(t.aux_layer_ids),
-    }, indent=2))
+    }
 
 
 @app.command("data-stats")
@@ -267,10 +272,10 @@ def demo(
 
     typer.secho("adaptive-eagle demo — the adaptive loop (serving, feature store → trainer → promotion policy) is "
                 "not wired yet; this shows the foundation it runs on.\n", bold=True)
-    target_info("smollm2-135m")
     if not (SHIPPED_HEAD / "head.json").exists():
         _fail("no shipped head found; train one with `adaptive-eagle train-head --out heads/my-head`")
     tgt = load_target()
+    typer.echo(json.dumps(_target_facts(tgt), indent=2))
     loaded = load_head(SHIPPED_HEAD, tgt)
     head = loaded.head.to(tgt.dtype)
     prompt = "Give me three tips for writing clear emails."
@@ -299,7 +304,9 @@ def demo(
                    f"logits for the two differ by {abs(float(z[a[k]] - z[b[k]])):.3f} (a bf16 near-tie that a "
                    "one-token and a tree forward round differently; float32 runs match exactly, see the tests)")
     typer.secho(f"\nheld-out acceptance of {SHIPPED_HEAD.name} per domain:", bold=True)
-    eval_head(SHIPPED_HEAD, None, "english,code,math", 8 if quick else 48, 512, False, False)
+    from trainer.train_head import run_eval_head
+
+    run_eval_head(SHIPPED_HEAD, tgt, ("english", "code", "math"), 8 if quick else 48, 512, log=typer.echo)
 
 
 def main() -> None:  # pragma: no cover

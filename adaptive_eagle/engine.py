@@ -242,10 +242,9 @@ class SpeculativeEngine:
         if self.head is not None:
             hcache = DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.fc.weight.dtype, self.device)
             root_hidden, root_lp = self._head_extend(hcache, prompt_ids[1:] + [first], aux, 0)
-        finish = self._finished(generated, sampling, stop)
+        visible, finish = self._cut(generated, sampling, stop)
         emitted = 0
         while True:
-            visible, _ = self._truncate(generated, sampling, stop, finish)
             if len(visible) > emitted:
                 yield visible[emitted:], None
                 emitted = len(visible)
@@ -269,9 +268,8 @@ class SpeculativeEngine:
             if self.head is not None:
                 root_hidden, root_lp = self._head_extend(hcache, new, aux.index_select(0, rows), root_pos)
             generated.extend(new)
-            finish = self._finished(generated, sampling, stop)
-        generated, finish = self._truncate(generated, sampling, stop, finish)
-        yield [], self._result(prompt_ids, generated, finish, steps, captured, sampling, request_id, t0)
+            visible, finish = self._cut(generated, sampling, stop)
+        yield [], self._result(prompt_ids, visible, finish, steps, captured, sampling, request_id, t0)
 
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                  capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None
@@ -294,17 +292,9 @@ class SpeculativeEngine:
         return verify_sampling(tree, probs, generator)
 
     # ---- stopping --------------------------------------------------------------------------------
-    def _finished(self, generated: list[int], sampling: SamplingParams, stop) -> str | None:
-        if any(t in self.eos_ids for t in generated):
-            return "stop"
-        if stop and self.target.tokenizer is not None:
-            text = self.target.tokenizer.decode(generated[-64:])
-            if any(s in text for s in stop):
-                return "stop"
-        return "length" if len(generated) >= sampling.max_tokens else None
-
-    def _truncate(self, generated, sampling: SamplingParams, stop, finish) -> tuple[list[int], str]:
-        """Cut at the first EOS (kept), the first stop string (removed from the text) or max_tokens."""
+    def _cut(self, generated: list[int], sampling: SamplingParams, stop) -> tuple[list[int], str | None]:
+        """The tokens to emit and why decoding ends (None: go on). Cuts after the first EOS (kept),
+        after the token that completes the first stop string (kept), or at max_tokens."""
         for i, t in enumerate(generated):
             if t in self.eos_ids:
                 return generated[: i + 1], "stop"
@@ -312,7 +302,9 @@ class SpeculativeEngine:
             for i in range(1, len(generated) + 1):
                 if any(s in self.target.tokenizer.decode(generated[max(0, i - 64) : i]) for s in stop):
                     return generated[:i], "stop"
-        return generated[: sampling.max_tokens], "length" if len(generated) >= sampling.max_tokens else finish
+        if len(generated) >= sampling.max_tokens:
+            return generated[: sampling.max_tokens], "length"
+        return generated, None
 
     def _result(self, prompt_ids, generated, finish, steps, captured, sampling, request_id, t0) -> GenerationResult:
         tok = self.target.tokenizer

@@ -32,8 +32,8 @@ from trainer import data as D  # noqa: E402
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v1"
 
 
-def english_prompts(n: int, max_chars: int = 1200) -> list[str]:
-    convs = D.select(D.load_sharegpt(), domains=["english"], split="heldout")
+def english_prompts(conversations, n: int, max_chars: int = 1200) -> list[str]:
+    convs = D.select(conversations, domains=["english"], split="heldout")
     out = []
     for c in convs:
         first = next((m.content for m in c.messages if m.role == "user"), "")
@@ -44,8 +44,8 @@ def english_prompts(n: int, max_chars: int = 1200) -> list[str]:
     return out
 
 
-def code_rewrite_prompts(n: int) -> list[str]:
-    convs = D.select(D.load_sharegpt(), domains=["code"], split="heldout")
+def code_rewrite_prompts(conversations, n: int) -> list[str]:
+    convs = D.select(conversations, domains=["code"], split="heldout")
     out = []
     for c in convs:
         for m in c.messages:
@@ -132,9 +132,10 @@ def main() -> None:
         "tree+lookup": SpeculativeEngine(target, head, EngineConfig(**tree, prompt_lookup=True), loaded.meta.version),
     }
     spec = {k: v for k, v in engines.items() if k != "plain"}
+    conversations = list(D.load_sharegpt())  # parsed once for both prompt sets
     with torch.inference_mode():
-        eng = run_set("english", english_prompts(args.prompts), target, {**spec, "plain": engines["plain"]}, args.max_new)
-        rep = run_set("repetitive", code_rewrite_prompts(args.prompts), target, {**spec, "plain": engines["plain"]},
+        eng = run_set("english", english_prompts(conversations, args.prompts), target, {**spec, "plain": engines["plain"]}, args.max_new)
+        rep = run_set("repetitive", code_rewrite_prompts(conversations, args.prompts), target, {**spec, "plain": engines["plain"]},
                       args.max_new)
     best = eng["tree+lookup"]
     figures = {

@@ -121,7 +121,7 @@ def acceptance(head_dir: str, n_convs: int) -> dict:
 
     from adaptive_eagle.checkpoint import load_head
     from adaptive_eagle.targets import load_target
-    from trainer.offline import TrainHeadConfig, batches, evaluate, make_ttt_batch
+    from trainer.offline import TrainHeadConfig, evaluate, exact_batches
     from trainer.train_head import load_examples
 
     target = load_target()
@@ -129,8 +129,7 @@ def acceptance(head_dir: str, n_convs: int) -> dict:
     # the first n_convs usable ones (load_examples drops conversations with under 16 assistant tokens)
     exs = load_examples(TrainHeadConfig(max_len=ACCEPT_MAX_LEN), target, "heldout", ["english"], limit=4 * n_convs)
     exs = exs[:n_convs]
-    exact = [make_ttt_batch(target, head, b, ACCEPT_MAX_LEN, exact=True)
-             for _, b in batches(exs, list(range(len(exs))), ACCEPT_BATCH_TOKENS, ACCEPT_MAX_LEN)]
+    exact = exact_batches(target, head, exs, ACCEPT_MAX_LEN, ACCEPT_BATCH_TOKENS)
     n_aux, tokens = len(target.aux_layer_ids), int(sum(int(b.lengths.sum()) for b in exact))
     rows = {"uncompressed": {**evaluate(head, target, None, cached=exact), "bytes_per_token": None, "rel_rms": 0.0}}
     scored: dict[str, dict] = {}  # X and X-zstd decode to the same features (zstd is lossless): score once

@@ -113,16 +113,19 @@ def make_ttt_batch(target: Target, head: Eagle3DraftHead, exs, max_len: int, exa
 
 
 # ---- evaluation -----------------------------------------------------------------------------------
+def exact_batches(target: Target, head, examples, max_len: int, batch_tokens: int) -> list[TTTBatch]:
+    """Held-out batches in file order, with the target's exact full-vocab argmax (reusable)."""
+    return [make_ttt_batch(target, head, exs, max_len, exact=True)
+            for _, exs in batches(examples, list(range(len(examples))), batch_tokens, max_len)]
+
+
 @torch.no_grad()
 def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7, bf16=True, cached=None) -> dict:
     """Held-out acceptance with the target's exact full-vocab argmax. `cached`: reuse batches."""
     head.eval()
     tot = {"correct": [0] * steps, "count": [0] * steps, "accept": [0] * steps, "eligible": [0] * steps}
     loss_sum, n_batches = 0.0, 0
-    batch_list = cached if cached is not None else [
-        make_ttt_batch(target, head, exs, max_len, exact=True)
-        for _, exs in batches(examples, list(range(len(examples))), batch_tokens, max_len)
-    ]
+    batch_list = cached if cached is not None else exact_batches(target, head, examples, max_len, batch_tokens)
     for batch in batch_list:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = ttt_loss(head, batch, steps=steps)
@@ -226,10 +229,7 @@ def train_loop(
     if opt_tensors is not None:
         restore_optimizer(opt, opt_tensors, opt_meta)
     total_steps = estimate_total_steps(cfg, train_examples)
-    eval_cache = [
-        make_ttt_batch(target, head, exs, cfg.max_len, exact=True)
-        for _, exs in batches(eval_examples, list(range(len(eval_examples))), cfg.batch_tokens, cfg.max_len)
-    ]
+    eval_cache = exact_batches(target, head, eval_examples, cfg.max_len, cfg.batch_tokens)
     bar = tqdm(total=cfg.token_budget, initial=min(state.tokens, cfg.token_budget), unit="tok", unit_scale=True,
                disable=not progress, dynamic_ncols=True, desc="train-head")
     last_ckpt = time.time()

@@ -118,13 +118,15 @@ def _round(summary: dict) -> dict:
             for k, v in summary.items()}
 
 
-def run_eval_head(head_dir: Path, target_name: str | None = None, domains=("english", "code", "math"),
+def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=("english", "code", "math"),
                   n_convs: int = 48, max_len: int = 1024, update_meta: bool = False, log=print) -> dict:
-    """Held-out per-position acceptance (0-α…6-α) and expected accept length per domain."""
+    """Held-out per-position acceptance (0-α…6-α) and expected accept length per domain.
+    target: a loaded Target, a name/path, or None for the head's own target_name."""
     from adaptive_eagle import checkpoint as C
 
-    cfg_json = json.loads((Path(head_dir) / "head.json").read_text())
-    target = load_target(target_name or cfg_json.get("target_name") or "smollm2-135m")
+    if not isinstance(target, Target):
+        cfg_json = json.loads((Path(head_dir) / "head.json").read_text())
+        target = load_target(target or cfg_json.get("target_name") or "smollm2-135m")
     loaded = C.load_head(head_dir, target)
     head = loaded.head.float()
     cfg = TrainHeadConfig(target=target.name, max_len=max_len)
