@@ -264,6 +264,11 @@ class Eagle3DraftHead(nn.Module):
         self.t2d[ids] = True
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The head's compute dtype (its norm weight's: linears may be packed, see cpu_linear.py)."""
+        return self.norm.weight.dtype
+
+    @property
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab] target id of each draft id."""
         return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
@@ -285,7 +290,7 @@ class Eagle3DraftHead(nn.Module):
         logits_rows: torch.Tensor | None | bool = True,  # True: all; bool mask [B, T]: those rows; False: none
     ) -> StepOutput:
         if not torch.is_autocast_enabled(hidden.device.type):
-            hidden = hidden.to(self.fc.weight.dtype)  # e.g. bf16 target features into an fp32 head
+            hidden = hidden.to(self.dtype)  # e.g. bf16 target features into an fp32 head
         h = self.project_hidden(hidden)
         embeds = self.embed_tokens(input_ids).to(h.dtype)
         cos, sin = rotary_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)

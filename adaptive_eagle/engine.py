@@ -22,11 +22,13 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from adaptive_eagle.costmodel import AcceptCalibration, VerifyCost, best_prefix, min_useful_prob
 from adaptive_eagle.draft_head import DraftKVCache, Eagle3DraftHead
 from adaptive_eagle.targets import Target
 from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
 from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
-from adaptive_eagle.tree import DraftTree, build_tree, chain_tree, merge_trees, tree_attention_mask, tree_position_ids
+from adaptive_eagle.tree import (DraftTree, build_tree, chain_tree, merge_trees, subset_tree, tree_attention_mask,
+                                 tree_position_ids)
 from adaptive_eagle.verify import VerifyResult, sampling_probs, verify_greedy, verify_sampling
 
 EMPTY_TREE = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)), torch.zeros(0), torch.zeros(0))
@@ -45,6 +47,9 @@ class EngineConfig:
     prompt_lookup: bool = True  # merge suffix-match continuations from the request's context
     lookup_max_tokens: int = 8
     lookup_min_ngram: int = 2
+    # verify only the part of each tree that pays for itself on this machine (costmodel.py): the
+    # target's forward cost by size is measured when the engine starts and followed online
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1 or self.num_draft_tokens < 1:
@@ -91,7 +96,19 @@ class SpeculativeEngine:
             if tuple(c.aux_layer_ids) != tuple(target.aux_layer_ids):
                 raise GenerationError(f"head aux layers {c.aux_layer_ids} != target aux layers {target.aux_layer_ids}")
             self.head = head.to(self.device).eval()
+            if target.compute.endswith("fp16-weights"):  # the target's fast CPU path: the head takes it too
+                import copy
+
+                from adaptive_eagle.cpu_linear import pack_linears
+
+                self.head = copy.deepcopy(self.head).float()
+                pack_linears(self.head)
         self._cache_kw = _cache_kwarg(target.model)
+        self.verify_cost, self.calibration = VerifyCost(), AcceptCalibration()
+        self.draft_ms = 0.0  # moving average of one step's drafting time
+        self.rate = float("nan")  # moving average of committed tokens per ms
+        if self.config.cost_aware and (head is not None or self.config.prompt_lookup):
+            self.calibrate()
         eos = getattr(target.model.generation_config, "eos_token_id", None) or target.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         tok = target.tokenizer
@@ -128,21 +145,114 @@ class SpeculativeEngine:
             raise GenerationError(
                 f"prompt ({n_prompt}) + max_tokens ({sampling.max_tokens}) exceeds the context ({limit})")
 
+    # ---- cost model -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def calibrate(self, prefix: int = 64, reps: int = 2) -> dict[int, float]:
+        """Time target forwards of 1, 2, 4, ... tokens over a `prefix`-token cache (best of `reps`)
+        and seed the verify-cost model with them; returns {tokens: ms}."""
+        from transformers import DynamicCache
+
+        cfg = self.config
+        top = max(cfg.num_draft_tokens, cfg.lookup_max_tokens if cfg.prompt_lookup else 0) + 1
+        sizes = sorted({1, top} | {q for q in (2, 4, 8, 16, 32, 64) if q < top})
+        vocab = self.target.config.vocab_size
+        prefix = max(1, min(prefix, self.target.config.max_position_embeddings - top - 1))
+        ids = [(7 * i + 3) % vocab for i in range(prefix + top)]
+        cache = DynamicCache()
+        self._target_forward(ids[:prefix], cache, torch.arange(prefix), None)
+        for _ in range(2):  # warm up kernels and allocator at the largest size
+            self._target_forward(ids[prefix:], cache, torch.arange(prefix, prefix + top), None)
+            self._keep_cache(cache, torch.arange(prefix, device=self.device))
+        measured = {}
+        for q in sizes:
+            best = float("inf")
+            for _ in range(reps + 1):  # the first run warms up
+                t0 = time.perf_counter()
+                self._target_forward(ids[prefix : prefix + q], cache, torch.arange(prefix, prefix + q), None)
+                self._sync()
+                best = min(best, (time.perf_counter() - t0) * 1e3)
+                self._keep_cache(cache, torch.arange(prefix, device=self.device))
+            measured[q] = best
+            self.verify_cost.points[q] = best
+        return measured
+
+    def _timed(self, t_step: float, t_verify: float, t_done: float, q: int, committed: int, decay: float = 0.9) -> None:
+        """Follow this machine's costs: the verify forward of q tokens; everything else in the step
+        (drafting, acceptance, cache upkeep, feeding the head) as the step's fixed cost; the rate."""
+        now = self._clock()
+        forward, step = (t_done - t_verify) * 1e3, (now - t_step) * 1e3
+        self.verify_cost.observe(q, forward)
+        fixed = step - forward
+        self.draft_ms = decay * self.draft_ms + (1 - decay) * fixed if self.draft_ms else fixed
+        rate = committed / max(1e-6, step)
+        self.rate = rate if not math.isfinite(self.rate) else decay * self.rate + (1 - decay) * rate
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _clock(self) -> float:
+        self._sync()
+        return time.perf_counter()
+
+    def _accept_estimates(self, tree: DraftTree, eagle_paths: set, lookup: list[int]) -> torch.Tensor:
+        """[N] estimated acceptance of each node from the calibrated draft path probability (EAGLE
+        nodes) and the measured per-token lookup acceptance (nodes on the lookup chain)."""
+        eagle = self.calibration.eagle(tree.scores.exp()) if eagle_paths else torch.zeros(tree.size)
+        paths: list[tuple] = []
+        est = torch.zeros(tree.size)
+        for i in range(tree.size):
+            p = int(tree.parents[i])
+            path = (paths[p] if p >= 0 else ()) + (int(tree.tokens[i]),)
+            paths.append(path)
+            a = float(eagle[i]) if path in eagle_paths else 0.0
+            if lookup[: len(path)] == list(path):
+                a = max(a, self.calibration.lookup(len(path)))
+            est[i] = a
+        return est
+
+    def _observe(self, tree: DraftTree, sources, res: VerifyResult) -> None:
+        eagle_paths, lookup = sources
+        if not self.config.cost_aware or not tree.size:
+            return
+        accepted = set(res.accepted_nodes)
+        probs, hits = [], []
+        path: dict[int, tuple] = {}
+        for i in range(tree.size):
+            p = int(tree.parents[i])
+            path[i] = (path[p] if p >= 0 else ()) + (int(tree.tokens[i]),)
+            if path[i] in eagle_paths:
+                probs.append(math.exp(float(tree.scores[i])))
+                hits.append(i in accepted)
+        self.calibration.observe_eagle(probs, hits)
+        taken = list(res.tokens[: res.accept_length])
+        run = 0
+        while run < min(len(lookup), len(taken)) and lookup[run] == taken[run]:
+            run += 1
+        self.calibration.observe_lookup(len(lookup), run)
+
     # ---- target ---------------------------------------------------------------------------------
-    def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None):
+    def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None,
+                        aux: bool = True):
+        """(logits [Q, V], aux features [Q, n_aux * H] or None when aux=False)."""
         x = torch.tensor([ids], device=self.device)
-        kw = {self._cache_kw: cache, "use_cache": True, "output_hidden_states": True,
+        kw = {self._cache_kw: cache, "use_cache": True, "output_hidden_states": aux,
               "position_ids": positions[None].to(self.device)}
         if mask is not None:
             kw["attention_mask"] = mask.to(self.device)
         out = self.target.model(input_ids=x, **kw)
+        if not aux:
+            return out.logits[0], None
         hs = out.hidden_states
-        aux = torch.cat([hs[k] for k in self.target.aux_layer_ids], dim=-1)[0]  # [Q, n_aux * H]
-        return out.logits[0], aux
+        return out.logits[0], torch.cat([hs[k] for k in self.target.aux_layer_ids], dim=-1)[0]
 
     @staticmethod
     def _keep_cache(cache, keep: torch.Tensor) -> None:
-        """Keep only the rows `keep` of every layer's keys and values (the accepted path)."""
+        """Keep only the rows `keep` (ascending) of every layer's keys and values (the accepted path)."""
+        if int(keep[-1]) == keep.numel() - 1:  # a prefix: slice, no copy
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[..., : keep.numel(), :], layer.values[..., : keep.numel(), :]
+            return
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
@@ -154,10 +264,11 @@ class SpeculativeEngine:
         head = self.head
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(start_pos, start_pos + len(tokens), device=self.device)[None]
-        out = head.step(ids, aux[None].to(head.fc.weight.dtype), pos, hcache.attend_fn(), logits_rows=True)
+        out = head.step(ids, aux[None].to(head.dtype), pos, hcache.attend_fn(), logits_rows=True)
         return out.hidden[0, -1], torch.log_softmax(out.logits[0, -1].float(), -1)
 
-    def _draft(self, hcache: DraftKVCache, root_hidden, root_logprobs, root_pos: int, budget: int) -> DraftTree:
+    def _draft(self, hcache: DraftKVCache, root_hidden, root_logprobs, root_pos: int, budget: int,
+               min_path_prob: float) -> DraftTree:
         """Build the dynamic tree with the head; leaves the head cache as it found it."""
         head, cfg = self.head, self.config
         committed = hcache.length
@@ -185,7 +296,7 @@ class SpeculativeEngine:
                 hidden[n] = out.hidden[0, r]
             return torch.log_softmax(out.logits[0].float(), -1)
 
-        min_score = math.log(cfg.min_path_prob) if cfg.min_path_prob > 0 else float("-inf")
+        min_score = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
         tree = build_tree(root_logprobs, expand, cfg.depth, cfg.topk, budget, min_score)
         hcache.crop(committed)
         return DraftTree(d2t[tree.tokens], tree.parents, tree.depths, tree.scores, tree.logprobs)
@@ -200,13 +311,29 @@ class SpeculativeEngine:
         if cfg.prompt_lookup and cfg.lookup_max_tokens:
             cont = suffix_match_continuation(context, min(cfg.lookup_max_tokens, budget), cfg.lookup_min_ngram)
         if self.head is None:
-            return (chain_tree(cont) if cont else EMPTY_TREE), (set(), cont)
-        n_lookup = split.lookup_nodes(budget, len(cont))
-        eagle = self._draft(hcache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup))
-        eagle_paths = {tuple(int(eagle.tokens[j]) for j in eagle.path_to(i)) for i in range(eagle.size)}
-        if not n_lookup:
-            return eagle, (eagle_paths, [])
-        return merge_trees(eagle, chain_tree(cont[:n_lookup]), budget), (eagle_paths, cont[:n_lookup])
+            tree, sources = (chain_tree(cont) if cont else EMPTY_TREE), (set(), cont)
+        else:
+            n_lookup = split.lookup_nodes(budget, len(cont))
+            min_prob = cfg.min_path_prob
+            if cfg.cost_aware and math.isfinite(self.rate):
+                min_prob = max(min_prob, min_useful_prob(self.verify_cost, self.draft_ms, budget, self.rate))
+            eagle = self._draft(hcache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup), min_prob)
+            eagle_paths = {tuple(int(eagle.tokens[j]) for j in eagle.path_to(i)) for i in range(eagle.size)}
+            lookup = cont[:n_lookup]
+            tree = merge_trees(eagle, chain_tree(lookup), budget) if lookup else eagle
+            sources = (eagle_paths, lookup)
+        if cfg.cost_aware and tree.size:
+            est = self._accept_estimates(tree, *sources)
+            keep = best_prefix(est, tree.parents, tree.depths, self.verify_cost, self.draft_ms)
+            if len(keep) < tree.size:
+                tree = subset_tree(tree, keep)
+                kept = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)) for i in range(tree.size)}
+                lookup = sources[1]
+                n = 0
+                while n < len(lookup) and tuple(lookup[: n + 1]) in kept:
+                    n += 1
+                sources = (sources[0], lookup[:n])
+        return tree, sources
 
     @staticmethod
     def _account(split: BudgetSplit, tree: DraftTree, sources, res: VerifyResult) -> None:
@@ -232,7 +359,8 @@ class SpeculativeEngine:
 
         cache = DynamicCache()
         n = len(prompt_ids)
-        logits, aux = self._target_forward(prompt_ids, cache, torch.arange(n), None)
+        need_aux = capture or self.head is not None  # plain decoding without capture skips them
+        logits, aux = self._target_forward(prompt_ids, cache, torch.arange(n), None, need_aux)
         captured = [aux.float().cpu()] if capture else []
         first = self._sample_row(logits[-1:], sampling, generator)
         generated: list[int] = [first]
@@ -240,7 +368,7 @@ class SpeculativeEngine:
         hcache = root_hidden = root_lp = None
         split = BudgetSplit()
         if self.head is not None:
-            hcache = DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.fc.weight.dtype, self.device)
+            hcache = DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.dtype, self.device)
             root_hidden, root_lp = self._head_extend(hcache, prompt_ids[1:] + [first], aux, 0)
         visible, finish = self._cut(generated, sampling, stop)
         emitted = 0
@@ -251,13 +379,17 @@ class SpeculativeEngine:
             if finish is not None:
                 break
             root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
+            t_step = time.perf_counter()
             tree, sources = self._propose(prompt_ids + generated, hcache, root_hidden if self.head else None,
                                           root_lp if self.head else None, root_pos, split)
-            mask = tree_attention_mask(tree, root_pos, self.target.dtype)
+            t_verify = time.perf_counter()
+            mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
             logits, aux = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
-                                               tree_position_ids(tree, root_pos), mask)
+                                               tree_position_ids(tree, root_pos), mask, need_aux)
+            t_done = self._clock() if self.config.cost_aware else 0.0
             res = self._verify(tree, logits, sampling, generator)
             self._account(split, tree, sources, res)
+            self._observe(tree, sources, res)
             rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
             self._keep_cache(cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
             new = list(res.tokens)
@@ -268,6 +400,8 @@ class SpeculativeEngine:
             if self.head is not None:
                 root_hidden, root_lp = self._head_extend(hcache, new, aux.index_select(0, rows), root_pos)
             generated.extend(new)
+            if self.config.cost_aware:
+                self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))
             visible, finish = self._cut(generated, sampling, stop)
         yield [], self._result(prompt_ids, visible, finish, steps, captured, sampling, request_id, t0)
 

@@ -17,6 +17,7 @@ Aux-layer convention (written down once, pinned by tests/adaptive_eagle/test_tar
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -53,8 +54,61 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.strip().lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of bf16, fp32, fp16") from None
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX512-BF16 or AMX).
+
+    Without it PyTorch's bf16 GEMM falls back to a generic kernel whose cost grows linearly with the
+    rows (measured on a 2-core AVX2 EPYC: a flat ~19 GFLOPS against 80-150 for fp32 at 17-4096 rows):
+    one-token decoding is still faster in bf16 (half the bytes to read), but training batches are
+    5-8x slower than in fp32. Unknown platforms (no /proc/cpuinfo) are assumed to have it."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def default_dtype(device: torch.device | str = "cpu", purpose: str = "decode") -> torch.dtype:
+    """bf16, except training on a CPU without native bf16 matmuls (fp32 there; see cpu_has_fast_bf16).
+    ADAPTIVE_EAGLE_DTYPE=bf16|fp32|fp16 overrides it everywhere."""
+    forced = os.environ.get("ADAPTIVE_EAGLE_DTYPE")
+    if forced:
+        return parse_dtype(forced)
+    if purpose not in ("decode", "train"):
+        raise ValueError(f"purpose must be 'decode' or 'train', not {purpose!r}")
+    if purpose == "train" and resolve_device(device).type == "cpu" and not cpu_has_fast_bf16():
+        return torch.float32
     return torch.bfloat16
+
+
+def _use_packed_fp16(path: Path, device: torch.device, purpose: str) -> bool:
+    """Decoding a bf16 checkpoint on a CPU without native bf16: run fp32 activations over fp16-packed
+    weights (exact for bf16 weights; see cpu_linear.py). Not when ADAPTIVE_EAGLE_DTYPE forces a dtype."""
+    if purpose != "decode" or device.type != "cpu" or os.environ.get("ADAPTIVE_EAGLE_DTYPE") or cpu_has_fast_bf16():
+        return False
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if (config.get("dtype") or config.get("torch_dtype")) != "bfloat16":
+        return False
+    from adaptive_eagle.cpu_linear import fbgemm_fp16_available
+
+    return fbgemm_fp16_available()
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -74,6 +128,7 @@ class Target:
     fingerprint: str
     path: Path
     aux_layer_ids: tuple[int, ...]
+    compute: str = ""  # how the forward runs, e.g. "bfloat16" or "float32+fp16-weights" (cpu_linear.py)
 
     @property
     def config(self):
@@ -93,7 +148,12 @@ class Target:
 
     def output_embeddings(self) -> torch.Tensor:
         """[vocab, H] the target's LM head weight (tied to the input embedding for SmolLM2)."""
-        return self.model.get_output_embeddings().weight
+        weight = getattr(self.model.get_output_embeddings(), "weight", None)
+        if weight is None:  # fp16-packed (cpu_linear.py): a tied head is the input embedding
+            if not self.config.tie_word_embeddings:
+                raise ValueError("this target's LM head is packed for decoding; load it with purpose='train'")
+            return self.input_embeddings()
+        return weight
 
     def input_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
@@ -223,23 +283,32 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     aux_layer_ids=None,
+    purpose: str = "decode",
 ) -> Target:
-    """Load a target from a built-in name or a local HF directory. bf16 by default."""
+    """Load a target from a built-in name or a local HF directory; dtype: default_dtype(device, purpose)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_target_path(name_or_path)
     device = resolve_device(device)
-    dtype = dtype or default_dtype(device)
+    packed = dtype is None and _use_packed_fp16(path, device, purpose)
+    dtype = torch.float32 if packed else (dtype or default_dtype(device, purpose))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
     model.requires_grad_(False)
+    compute = str(dtype).removeprefix("torch.")
+    if packed:
+        from adaptive_eagle.cpu_linear import pack_linears
+
+        pack_linears(model)
+        compute = "float32+fp16-weights"
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     fingerprint = cached_fingerprint(path)
     n = model.config.num_hidden_layers
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
     if any(not 0 < k < n for k in ids):
         raise ValueError(f"aux layer ids {ids} must lie in 1..{n - 1} (inputs of decoder layers)")
-    return Target(name=name_or_path, model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path, aux_layer_ids=ids)
+    return Target(name=name_or_path, model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path,
+                  aux_layer_ids=ids, compute=compute)
 
 
 def tiny_target_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6, **kw):

@@ -193,3 +193,12 @@ def merge_trees(primary: DraftTree, extra: DraftTree, budget: int) -> DraftTree:
         scores=torch.tensor([scores[i] for i in order], dtype=torch.float32),
         logprobs=torch.tensor([lps[i] for i in order], dtype=torch.float32),
     )
+
+
+def subset_tree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The nodes `keep` (ancestor-closed, in tree order) as a tree of their own, re-indexed."""
+    new = {old: k for k, old in enumerate(keep)}
+    idx = torch.tensor(keep, dtype=torch.long)
+    parents = [new[int(tree.parents[i])] if int(tree.parents[i]) >= 0 else -1 for i in keep]
+    return DraftTree(tree.tokens[idx], torch.tensor(parents, dtype=torch.long), tree.depths[idx],
+                     tree.scores[idx], tree.logprobs[idx])

@@ -54,7 +54,7 @@ class TrainHeadConfig(BaseModel, frozen=True):
     warm_start: Literal["full", "output", "none"] = Field(
         "full", description="full: lm_head rows, norms and a target decoder layer; output: lm_head + norm; none")
     warm_layer: int | None = None
-    bf16: bool = True
+    bf16: bool | None = Field(None, description="bf16 autocast; None: where the hardware multiplies bf16 natively")
     seed: int = 0
     eval_every: int = Field(100, ge=1, description="steps between held-out evaluations")
     eval_convs: int = Field(24, ge=1)

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from adaptive_eagle.targets import Target, load_target
+from adaptive_eagle.targets import Target, default_dtype, load_target
 from trainer import data as D
 from trainer.offline import RunState, TrainHeadConfig, evaluate, load_run_state, train_loop
 from trainer.warm_start import build_draft_vocab, coverage_curve, new_head, size_for_coverage, token_counts, warm_start
@@ -58,8 +58,10 @@ def run_train_head(
     from adaptive_eagle import checkpoint as C
 
     torch.manual_seed(cfg.seed)
-    log(f"loading target {cfg.target}")
-    target = load_target(cfg.target, aux_layer_ids=cfg.aux_layer_ids)
+    if cfg.bf16 is None:  # resolved once and recorded with the run
+        cfg = cfg.model_copy(update={"bf16": default_dtype("cpu", "train") == torch.bfloat16})
+    log(f"loading target {cfg.target} ({'bf16' if cfg.bf16 else 'fp32'})")
+    target = load_target(cfg.target, aux_layer_ids=cfg.aux_layer_ids, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
     log("tokenising data")
     train_examples = load_examples(cfg, target, "train", cfg.domains)
     eval_examples = load_examples(cfg, target, "heldout", ["english"] if not cfg.data_jsonl else None, limit=cfg.eval_convs)
@@ -126,16 +128,17 @@ def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=("
 
     if not isinstance(target, Target):
         cfg_json = json.loads((Path(head_dir) / "head.json").read_text())
-        target = load_target(target or cfg_json.get("target_name") or "smollm2-135m")
+        target = load_target(target or cfg_json.get("target_name") or "smollm2-135m", purpose="train")
     loaded = C.load_head(head_dir, target)
     head = loaded.head.float()
     cfg = TrainHeadConfig(target=target.name, max_len=max_len)
+    bf16 = target.dtype == torch.bfloat16
     results = {}
     for d in domains:
         exs = load_examples(cfg, target, "heldout", [d], limit=n_convs)
         if not exs:
             continue
-        results[d] = _round(evaluate(head, target, exs, max_len=max_len))
+        results[d] = _round(evaluate(head, target, exs, max_len=max_len, bf16=bf16))
         results[d]["conversations"] = len(exs)
         log(f"{d:8s} alpha {' '.join(f'{a:.3f}' for a in results[d]['alpha'])}  "
             f"accept_length {results[d]['accept_length']:.3f}  ({len(exs)} conversations)")

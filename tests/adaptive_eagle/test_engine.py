@@ -37,10 +37,11 @@ def plain_greedy(target, prompt, n):
     return ids[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("cfg", [EngineConfig(depth=1, topk=1, num_draft_tokens=1),
-                                 EngineConfig(depth=4, topk=1, num_draft_tokens=4),
-                                 EngineConfig(depth=4, topk=4, num_draft_tokens=12),
-                                 EngineConfig(depth=6, topk=8, num_draft_tokens=40)])
+@pytest.mark.parametrize("cfg", [EngineConfig(depth=1, topk=1, num_draft_tokens=1, cost_aware=False),
+                                 EngineConfig(depth=4, topk=1, num_draft_tokens=4, cost_aware=False),
+                                 EngineConfig(depth=4, topk=4, num_draft_tokens=12, cost_aware=False),
+                                 EngineConfig(depth=6, topk=8, num_draft_tokens=40, cost_aware=False),
+                                 EngineConfig(depth=4, topk=4, num_draft_tokens=12)])
 def test_greedy_equals_plain_greedy(cfg):
     target, head = tiny_setup()
     engine = SpeculativeEngine(target, head, cfg)
@@ -63,7 +64,7 @@ def test_greedy_equals_plain_greedy(cfg):
 
 def test_reduced_draft_vocab_is_still_lossless():
     target, head = tiny_setup(seed=3, draft_vocab=20)
-    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=4, num_draft_tokens=10))
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=4, num_draft_tokens=10, cost_aware=False))
     prompt = [5, 9, 3, 17]
     got = engine.generate(prompt, SamplingParams(max_tokens=20)).token_ids
     want = plain_greedy(target, prompt, 20)
@@ -73,7 +74,7 @@ def test_reduced_draft_vocab_is_still_lossless():
 
 def test_captured_hidden_states_equal_a_fresh_forward():
     target, head = tiny_setup(seed=1)
-    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=4, num_draft_tokens=8))
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=4, num_draft_tokens=8, cost_aware=False))
     res = engine.generate([4, 8, 15, 16, 23], SamplingParams(max_tokens=16), capture=True)
     ids = torch.tensor([list(res.trace.input_ids)], device=target.device)
     fresh = target.features(ids).aux[0].cpu()
@@ -86,7 +87,7 @@ def test_kv_cache_after_acceptance_equals_plain_cache():
     from transformers import DynamicCache
 
     target, head = tiny_setup(seed=2)
-    engine = SpeculativeEngine(target, head, EngineConfig(depth=4, topk=4, num_draft_tokens=12))
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=4, topk=4, num_draft_tokens=12, cost_aware=False))
     captured = {}
     orig = engine._keep_cache
 
@@ -139,7 +140,7 @@ def test_sampling_keeps_the_target_distribution():
     from scipy import stats
 
     target, head = tiny_setup(seed=5, vocab=8)
-    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=3, num_draft_tokens=8))
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=3, num_draft_tokens=8, cost_aware=False))
     engine.eos_ids = set()  # tiny vocab: keep EOS as an ordinary token
     prompt = [3, 4]
 
@@ -171,7 +172,7 @@ def test_sampling_keeps_the_target_distribution():
 
 def test_prompt_lookup_stays_lossless_and_raises_accept_length_on_repetition():
     target, head = tiny_setup(seed=4)
-    base_cfg = dict(depth=3, topk=2, num_draft_tokens=8)
+    base_cfg = dict(depth=3, topk=2, num_draft_tokens=8, cost_aware=False)
     with_lookup = SpeculativeEngine(target, head, EngineConfig(**base_cfg, prompt_lookup=True))
     without = SpeculativeEngine(target, head, EngineConfig(**base_cfg, prompt_lookup=False))
     lookup_only = SpeculativeEngine(target, None, EngineConfig(**base_cfg, prompt_lookup=True))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from adaptive_eagle.targets import (
+    cpu_has_fast_bf16,
     default_aux_layer_ids,
     fingerprint_dir,
     from_sglang_config_layer_ids,
@@ -171,7 +172,10 @@ def test_load_local_directory_with_a_tokenizer(saved_dir):
 def test_smollm2_facts(smollm2):
     c = smollm2.config
     assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (30, 576, 49152)
-    assert smollm2.dtype == torch.bfloat16
+    if cpu_has_fast_bf16():
+        assert smollm2.dtype == torch.bfloat16 and smollm2.compute == "bfloat16"
+    else:  # AVX2-class CPU: fp32 activations over fp16-packed weights (cpu_linear.py)
+        assert smollm2.dtype == torch.float32 and smollm2.compute == "float32+fp16-weights"
     assert smollm2.aux_layer_ids == (2, 15, 27)
     assert sglang_config_layer_ids(smollm2.aux_layer_ids) == [1, 14, 26]
     assert smollm2.fingerprint.startswith("sha256:")

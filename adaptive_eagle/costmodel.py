@@ -1,0 +1,130 @@
+"""What a draft node is worth and what verifying it costs, measured on the machine at hand.
+
+Owns: the target's verify-forward cost as a function of the number of tokens (calibrated once per
+engine, then followed online), the acceptance calibration of draft path probabilities and of
+prompt-lookup tokens, and the choice of how much of a draft tree to verify. Must not touch:
+models (the engine times its own forwards and passes the numbers in), trees' construction.
+
+Why. How much a bigger tree costs depends on the hardware far more than on the model: on a GPU a
+64-token forward costs about what a 1-token one does; on a 2-core AVX2 CPU a 17-token forward
+costs ~2.5x (fp16-packed weights) to ~8x (bf16) a 1-token one. A fixed num_draft_tokens is then
+either wasteful or timid. Each step keeps the ancestor-closed set of nodes that maximises expected
+committed tokens per millisecond, (1 + sum of kept nodes' acceptance) / (draft ms + verify ms).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class VerifyCost:
+    """Milliseconds of one target forward over q tokens: piecewise linear between measured points,
+    each point an exponential moving average of the forwards seen at that q."""
+
+    points: dict[int, float] = field(default_factory=dict)  # q -> ms
+    decay: float = 0.9
+
+    def observe(self, q: int, ms: float) -> None:
+        old = self.points.get(q)
+        self.points[q] = ms if old is None else self.decay * old + (1 - self.decay) * ms
+
+    def __call__(self, q: int) -> float:
+        if not self.points:
+            return float(q)  # no measurement: a cost proportional to size
+        qs = sorted(self.points)
+        if q in self.points:
+            return self.points[q]
+        if q <= qs[0]:
+            return self.points[qs[0]]
+        if q >= qs[-1]:  # extrapolate along the last segment (or proportionally from one point)
+            if len(qs) == 1:
+                return self.points[qs[0]] * q / qs[0]
+            a, b = qs[-2], qs[-1]
+            slope = max(0.0, (self.points[b] - self.points[a]) / (b - a))
+            return self.points[b] + slope * (q - b)
+        i = bisect.bisect_left(qs, q)
+        a, b = qs[i - 1], qs[i]
+        w = (q - a) / (b - a)
+        return (1 - w) * self.points[a] + w * self.points[b]
+
+
+# draft path-probability buckets for acceptance calibration
+_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0 + 1e-9)
+
+
+@dataclass
+class AcceptCalibration:
+    """P(a node is accepted | the draft's path probability), per probability bucket, from what the
+    target accepted so far; starts from the draft's own probability (a prior worth `prior` nodes).
+    Lookup tokens: P(the next lookup token is accepted | the previous one was)."""
+
+    prior: float = 4.0
+    offered: list[float] = field(default_factory=lambda: [0.0] * (len(_EDGES) - 1))
+    accepted: list[float] = field(default_factory=lambda: [0.0] * (len(_EDGES) - 1))
+    lookup_hits: float = 1.0  # prior 1 hit in 2 tries
+    lookup_tries: float = 2.0
+
+    @staticmethod
+    def _bucket(p: float) -> int:
+        return min(len(_EDGES) - 2, max(0, bisect.bisect_right(_EDGES, p) - 1))
+
+    def eagle(self, path_probs: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(path_probs, dtype=torch.float32)
+        for i, p in enumerate(path_probs.tolist()):
+            b = self._bucket(p)
+            mid = (_EDGES[b] + min(1.0, _EDGES[b + 1])) / 2
+            out[i] = (self.accepted[b] + self.prior * mid) / (self.offered[b] + self.prior)
+        return out
+
+    def lookup(self, depth: int) -> float:
+        return (self.lookup_hits / self.lookup_tries) ** depth
+
+    def observe_eagle(self, path_probs: list[float], accepted: list[bool]) -> None:
+        for p, ok in zip(path_probs, accepted):
+            b = self._bucket(p)
+            self.offered[b] += 1
+            self.accepted[b] += ok
+
+    def observe_lookup(self, offered: int, accepted: int) -> None:
+        """`accepted` leading lookup tokens were taken out of `offered`: that many successes, plus one
+        failure when the run stopped before the chain's end."""
+        if offered:
+            self.lookup_hits += accepted
+            self.lookup_tries += accepted + (1 if accepted < offered else 0)
+
+
+def best_prefix(accept: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, verify_ms, draft_ms: float
+                ) -> list[int]:
+    """Indices (tree order) of the ancestor-closed node set that maximises
+    (1 + sum accept) / (draft_ms + verify_ms(1 + n)).
+
+    accept: [N] estimated acceptance of each node (root → node path). A node is never valued above
+    its parent (a child is accepted only with it), so ranking by value keeps ancestors first."""
+    n = accept.numel()
+    if n == 0:
+        return []
+    val = accept.float().clone()
+    for i in range(n):  # tree order: parents first
+        p = int(parents[i])
+        if p >= 0:
+            val[i] = min(float(val[i]), float(val[p]))
+    order = sorted(range(n), key=lambda i: (-float(val[i]), int(depths[i]), i))
+    best_k, best_rate, total = 0, 1.0 / max(1e-9, draft_ms + verify_ms(1)), 1.0
+    for k, i in enumerate(order, start=1):
+        total += float(val[i])
+        rate = total / max(1e-9, draft_ms + verify_ms(1 + k))
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return sorted(order[:best_k])
+
+
+def min_useful_prob(verify_ms, draft_ms: float, budget: int, rate: float) -> float:
+    """The acceptance below which one more node cannot pay for its share of the verify forward at
+    the current rate (tokens per ms): expanding frontier paths less likely than this is wasted."""
+    marginal = max(0.0, (verify_ms(1 + budget) - verify_ms(1)) / max(1, budget))
+    return min(1.0, rate * marginal) if math.isfinite(rate) else 0.0

@@ -1,0 +1,82 @@
+"""Cost-aware tree sizing: the verify-cost model, acceptance calibration and the kept-node choice."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaptive_eagle.costmodel import AcceptCalibration, VerifyCost, best_prefix, min_useful_prob
+
+
+def test_verify_cost_interpolates_extrapolates_and_follows_observations():
+    c = VerifyCost({1: 10.0, 5: 30.0, 9: 50.0})
+    assert c(1) == 10.0 and c(3) == 20.0 and c(7) == 40.0
+    assert c(13) == 70.0  # along the last segment
+    c.observe(5, 40.0)
+    assert 30.0 < c(5) < 40.0  # a moving average, not the last sample
+    assert VerifyCost()(4) == 4.0  # unmeasured: proportional to size
+
+
+def chain(n):
+    return torch.arange(n) - 1, torch.arange(1, n + 1)
+
+
+def test_best_prefix_keeps_everything_when_verifying_is_free_and_little_when_it_is_dear():
+    parents, depths = chain(6)
+    accept = torch.tensor([0.9, 0.8, 0.6, 0.3, 0.1, 0.05])
+    flat = VerifyCost({1: 10.0, 64: 10.0})
+    assert best_prefix(accept, parents, depths, flat, draft_ms=2.0) == [0, 1, 2, 3, 4, 5]
+    steep = VerifyCost({1: 10.0, 2: 15.0, 64: 325.0})  # +5 ms per token: only nodes worth > 1/2 token
+    kept = best_prefix(accept, parents, depths, steep, draft_ms=0.0)
+    assert kept == [0, 1]  # 2.7/20 beats 1.9/15 and 3.3/25
+    assert best_prefix(torch.tensor([0.01]), *chain(1), steep, 0.0) == []  # nothing pays: plain step
+
+
+def test_a_child_is_never_valued_above_its_parent():
+    # node 1 (child of 0) claims 0.9 but its parent only 0.2: keeping 1 alone would be unsound
+    parents, depths = torch.tensor([-1, 0, -1]), torch.tensor([1, 2, 1])
+    kept = best_prefix(torch.tensor([0.2, 0.9, 0.5]), parents, depths, VerifyCost({1: 10.0, 2: 12.0, 64: 136.0}), 0.0)
+    assert kept == [2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 30), st.floats(0, 1)), min_size=1, max_size=30),
+       st.floats(0, 20), st.floats(0, 50))
+def test_best_prefix_is_ancestor_closed_and_optimal(nodes, slope, draft_ms):
+    parents = torch.tensor([p if p < i else -1 for i, (p, _) in enumerate(nodes)])  # parents come first
+    depths = torch.zeros(len(nodes), dtype=torch.long)
+    for i, p in enumerate(parents.tolist()):
+        depths[i] = 1 if p < 0 else depths[p] + 1
+    accept = torch.tensor([a for _, a in nodes])
+    cost = VerifyCost({1: 10.0, 64: 10.0 + 63 * slope})
+    kept = best_prefix(accept, parents, depths, cost, draft_ms)
+    assert kept == sorted(set(kept))
+    assert all(int(parents[i]) < 0 or int(parents[i]) in kept for i in kept)
+    # no ancestor-closed set of any size beats it (checked against the chain of parent-capped values)
+    val = accept.clone()
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            val[i] = min(val[i], val[p])
+    rate = (1 + float(val[kept].sum())) / (draft_ms + cost(1 + len(kept)))
+    best_any = max((1 + float(val.sort(descending=True).values[:k].sum())) / (draft_ms + cost(1 + k))
+                   for k in range(len(nodes) + 1))
+    assert rate >= best_any * (1 - 1e-6)
+
+
+def test_calibration_learns_from_what_the_target_accepts():
+    cal = AcceptCalibration()
+    before = float(cal.eagle(torch.tensor([0.6]))[0])
+    assert 0.5 < before < 0.7  # the draft's own probability until evidence arrives
+    cal.observe_eagle([0.6] * 200, [False] * 200)  # an overconfident draft
+    assert float(cal.eagle(torch.tensor([0.6]))[0]) < 0.05
+    assert 0.4 < float(cal.eagle(torch.tensor([0.45]))[0]) < 0.5  # other buckets untouched
+    cal.observe_lookup(8, 8)
+    cal.observe_lookup(8, 8)
+    assert cal.lookup(1) > 0.8 and cal.lookup(3) < cal.lookup(1)
+    cal.observe_lookup(8, 0)
+    assert cal.lookup(1) < 18 / 19
+
+
+def test_min_useful_prob_scales_with_the_marginal_verify_cost():
+    flat, steep = VerifyCost({1: 10.0, 17: 10.0}), VerifyCost({1: 10.0, 17: 90.0})
+    assert min_useful_prob(flat, 5.0, 16, rate=0.05) == 0.0
+    assert abs(min_useful_prob(steep, 5.0, 16, rate=0.05) - 0.25) < 1e-9
