@@ -165,6 +165,8 @@ def generate(
     topk: int = typer.Option(4, help="children per expanded node"),
     num_draft_tokens: int = typer.Option(16, help="tree nodes verified per target forward"),
     prompt_lookup: bool = typer.Option(True, help="merge suffix-match drafts from the context into the tree"),
+    cost_aware: bool = typer.Option(True, "--cost-aware/--fixed-tree",
+                                    help="verify only the part of each tree that pays on this machine"),
     stop: Optional[list[str]] = typer.Option(None, help="stop string (repeatable)"),
     seed: Optional[int] = typer.Option(None),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ..."),
@@ -180,7 +182,8 @@ def generate(
 
     try:
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=seed)
-        cfg = EngineConfig(depth=depth, topk=topk, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup)
+        cfg = EngineConfig(depth=depth, topk=topk, num_draft_tokens=num_draft_tokens, prompt_lookup=prompt_lookup,
+                           cost_aware=cost_aware)
     except ValueError as e:
         _fail(str(e))
     tgt = load_target(target, device=device)
@@ -210,12 +213,14 @@ def generate(
     except GenerationError as e:
         _fail(str(e))
     summary = {"text": res.text, "token_ids": res.token_ids, "accept_length_mean": round(res.accept_length_mean, 3),
-               "tokens_per_s": round(res.tokens_per_s, 2), "head_version": version, "finish_reason": res.finish_reason}
+               "tokens_per_s": round(res.tokens_per_s, 2), "head_version": version, "finish_reason": res.finish_reason,
+               "target_compute": tgt.compute}
     if as_json:
         typer.echo(json.dumps(summary))
     else:
         typer.secho(f"[{len(res.token_ids)} tokens, {res.tokens_per_s:.1f} tok/s, mean accept length "
-                    f"{res.accept_length_mean:.2f}, head {version or 'none'}]", fg=typer.colors.CYAN, err=True)
+                    f"{res.accept_length_mean:.2f}, head {version or 'none'}, target {tgt.compute}]",
+                    fg=typer.colors.CYAN, err=True)
 
 
 @app.command("target-info")

@@ -61,13 +61,15 @@ _EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0 + 1e-9)
 class AcceptCalibration:
     """P(a node is accepted | the draft's path probability), per probability bucket, from what the
     target accepted so far; starts from the draft's own probability (a prior worth `prior` nodes).
-    Lookup tokens: P(the next lookup token is accepted | the previous one was)."""
+    Lookup tokens: P(the lookup token at depth d is accepted | the one before it was), per depth:
+    copying comes in runs, so deep tokens of a chain that got that far are likelier than the first."""
 
     prior: float = 4.0
     offered: list[float] = field(default_factory=lambda: [0.0] * (len(_EDGES) - 1))
     accepted: list[float] = field(default_factory=lambda: [0.0] * (len(_EDGES) - 1))
-    lookup_hits: float = 1.0  # prior 1 hit in 2 tries
-    lookup_tries: float = 2.0
+    lookup_hits: list[float] = field(default_factory=list)  # per depth (index 0 = depth 1)
+    lookup_tries: list[float] = field(default_factory=list)
+    lookup_prior: tuple[float, float] = (1.0, 2.0)  # 1 hit in 2 tries
 
     @staticmethod
     def _bucket(p: float) -> int:
@@ -82,7 +84,18 @@ class AcceptCalibration:
         return out
 
     def lookup(self, depth: int) -> float:
-        return (self.lookup_hits / self.lookup_tries) ** depth
+        """P(the first `depth` lookup tokens are all accepted)."""
+        # each depth's rate shrinks towards the rate pooled over all depths (itself starting at the
+        # prior): a depth that was rarely offered (e.g. pruned so far) is judged by how runs go
+        # elsewhere, not by a fixed guess that would keep it pruned for good
+        h0, t0 = self.lookup_prior
+        pooled = (sum(self.lookup_hits) + h0) / (sum(self.lookup_tries) + t0)
+        p = 1.0
+        for j in range(depth):
+            hits = self.lookup_hits[j] if j < len(self.lookup_hits) else 0.0
+            tries = self.lookup_tries[j] if j < len(self.lookup_tries) else 0.0
+            p *= (hits + t0 * pooled) / (tries + t0)
+        return p
 
     def observe_eagle(self, path_probs: list[float], accepted: list[bool]) -> None:
         for p, ok in zip(path_probs, accepted):
@@ -93,9 +106,13 @@ class AcceptCalibration:
     def observe_lookup(self, offered: int, accepted: int) -> None:
         """`accepted` leading lookup tokens were taken out of `offered`: that many successes, plus one
         failure when the run stopped before the chain's end."""
-        if offered:
-            self.lookup_hits += accepted
-            self.lookup_tries += accepted + (1 if accepted < offered else 0)
+        tried = min(offered, accepted + 1)  # depths the target judged
+        while len(self.lookup_tries) < tried:
+            self.lookup_tries.append(0.0)
+            self.lookup_hits.append(0.0)
+        for j in range(tried):
+            self.lookup_tries[j] += 1
+            self.lookup_hits[j] += j < accepted
 
 
 def best_prefix(accept: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, verify_ms, draft_ms: float

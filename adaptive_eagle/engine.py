@@ -31,6 +31,7 @@ from adaptive_eagle.tree import (DraftTree, build_tree, chain_tree, merge_trees,
                                  tree_position_ids)
 from adaptive_eagle.verify import VerifyResult, sampling_probs, verify_greedy, verify_sampling
 
+LOOKUP_SURE = 0.8  # calibrated acceptance of the first lookup token above which the head does not expand
 EMPTY_TREE = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)), torch.zeros(0), torch.zeros(0))
 
 
@@ -45,7 +46,7 @@ class EngineConfig:
     num_draft_tokens: int = 16  # nodes kept per tree (verified in one target forward)
     min_path_prob: float = 0.02  # stop drafting deeper once every frontier path is less likely than this
     prompt_lookup: bool = True  # merge suffix-match continuations from the request's context
-    lookup_max_tokens: int = 8
+    lookup_max_tokens: int = 16
     lookup_min_ngram: int = 2
     # verify only the part of each tree that pays for itself on this machine (costmodel.py): the
     # target's forward cost by size is measured when the engine starts and followed online
@@ -79,6 +80,30 @@ class GenerationResult:
 def _cache_kwarg(model) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+class _HeadFeed:
+    """The draft head's view of one request: its KV cache plus committed positions not yet fed
+    (tokens and target features), fed in one head call when the head next drafts."""
+
+    def __init__(self, engine: "SpeculativeEngine", cache: DraftKVCache) -> None:
+        self.engine, self.cache = engine, cache
+        self.tokens: list[int] = []
+        self.aux: list[torch.Tensor] = []
+        self.start = 0
+        self.last: tuple | None = None  # (root hidden, root log-probs) after the last feed
+
+    def add(self, tokens: list[int], aux: torch.Tensor, start_pos: int) -> None:
+        if not self.tokens:
+            self.start = start_pos
+        self.tokens += tokens
+        self.aux.append(aux)
+
+    def root(self) -> tuple:
+        if self.tokens:
+            self.last = self.engine._head_extend(self.cache, self.tokens, torch.cat(self.aux), self.start)
+            self.tokens, self.aux = [], []
+        return self.last
 
 
 class SpeculativeEngine:
@@ -264,11 +289,13 @@ class SpeculativeEngine:
         head = self.head
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(start_pos, start_pos + len(tokens), device=self.device)[None]
-        out = head.step(ids, aux[None].to(head.dtype), pos, hcache.attend_fn(), logits_rows=True)
-        return out.hidden[0, -1], torch.log_softmax(out.logits[0, -1].float(), -1)
+        last = torch.zeros(1, len(tokens), dtype=torch.bool, device=self.device)
+        last[0, -1] = True  # only the newest position drafts: no LM head over the rest (e.g. the prompt)
+        out = head.step(ids, aux[None].to(head.dtype), pos, hcache.attend_fn(), logits_rows=last)
+        return out.hidden[0, -1], torch.log_softmax(out.logits[-1].float(), -1)
 
     def _draft(self, hcache: DraftKVCache, root_hidden, root_logprobs, root_pos: int, budget: int,
-               min_path_prob: float) -> DraftTree:
+               min_path_prob: float, depth: int) -> DraftTree:
         """Build the dynamic tree with the head; leaves the head cache as it found it."""
         head, cfg = self.head, self.config
         committed = hcache.length
@@ -297,12 +324,12 @@ class SpeculativeEngine:
             return torch.log_softmax(out.logits[0].float(), -1)
 
         min_score = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
-        tree = build_tree(root_logprobs, expand, cfg.depth, cfg.topk, budget, min_score)
+        tree = build_tree(root_logprobs, expand, depth, cfg.topk, budget, min_score)
         hcache.crop(committed)
         return DraftTree(d2t[tree.tokens], tree.parents, tree.depths, tree.scores, tree.logprobs)
 
     # ---- proposals: EAGLE tree + model-free chain ------------------------------------------------
-    def _propose(self, context: list[int], hcache, root_hidden, root_lp, root_pos: int, split: BudgetSplit):
+    def _propose(self, context: list[int], feed: "_HeadFeed | None", root_pos: int, split: BudgetSplit):
         """The draft tree for this step and, per node, whether the EAGLE tree / the lookup chain
         proposed it: (tree, (eagle_paths, lookup_tokens))."""
         cfg = self.config
@@ -310,14 +337,19 @@ class SpeculativeEngine:
         cont = []
         if cfg.prompt_lookup and cfg.lookup_max_tokens:
             cont = suffix_match_continuation(context, min(cfg.lookup_max_tokens, budget), cfg.lookup_min_ngram)
-        if self.head is None:
+        # when the lookup chain is a safe bet (the request is copying), the head would rarely add a
+        # token: verify the chain alone and leave the head's features pending (fed in one call later)
+        sure = cfg.cost_aware and len(cont) >= 2 and self.calibration.lookup(1) >= LOOKUP_SURE
+        if feed is None or sure:
             tree, sources = (chain_tree(cont) if cont else EMPTY_TREE), (set(), cont)
         else:
             n_lookup = split.lookup_nodes(budget, len(cont))
             min_prob = cfg.min_path_prob
             if cfg.cost_aware and math.isfinite(self.rate):
                 min_prob = max(min_prob, min_useful_prob(self.verify_cost, self.draft_ms, budget, self.rate))
-            eagle = self._draft(hcache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup), min_prob)
+            root_hidden, root_lp = feed.root()
+            eagle = self._draft(feed.cache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup), min_prob,
+                                cfg.depth)
             eagle_paths = {tuple(int(eagle.tokens[j]) for j in eagle.path_to(i)) for i in range(eagle.size)}
             lookup = cont[:n_lookup]
             tree = merge_trees(eagle, chain_tree(lookup), budget) if lookup else eagle
@@ -365,11 +397,11 @@ class SpeculativeEngine:
         first = self._sample_row(logits[-1:], sampling, generator)
         generated: list[int] = [first]
         steps: list[VerifyStep] = []
-        hcache = root_hidden = root_lp = None
+        feed = None
         split = BudgetSplit()
         if self.head is not None:
-            hcache = DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.dtype, self.device)
-            root_hidden, root_lp = self._head_extend(hcache, prompt_ids[1:] + [first], aux, 0)
+            feed = _HeadFeed(self, DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.dtype, self.device))
+            feed.add(prompt_ids[1:] + [first], aux, 0)
         visible, finish = self._cut(generated, sampling, stop)
         emitted = 0
         while True:
@@ -380,8 +412,7 @@ class SpeculativeEngine:
                 break
             root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
             t_step = time.perf_counter()
-            tree, sources = self._propose(prompt_ids + generated, hcache, root_hidden if self.head else None,
-                                          root_lp if self.head else None, root_pos, split)
+            tree, sources = self._propose(prompt_ids + generated, feed, root_pos, split)
             t_verify = time.perf_counter()
             mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
             logits, aux = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
@@ -397,8 +428,8 @@ class SpeculativeEngine:
                                     res.rejected_draft_prob, res.rejected_target_prob))
             if capture:
                 captured.append(aux.index_select(0, rows).float().cpu())
-            if self.head is not None:
-                root_hidden, root_lp = self._head_extend(hcache, new, aux.index_select(0, rows), root_pos)
+            if feed is not None:
+                feed.add(new, aux.index_select(0, rows), root_pos)
             generated.extend(new)
             if self.config.cost_aware:
                 self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))

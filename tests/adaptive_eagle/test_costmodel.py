@@ -69,11 +69,22 @@ def test_calibration_learns_from_what_the_target_accepts():
     cal.observe_eagle([0.6] * 200, [False] * 200)  # an overconfident draft
     assert float(cal.eagle(torch.tensor([0.6]))[0]) < 0.05
     assert 0.4 < float(cal.eagle(torch.tensor([0.45]))[0]) < 0.5  # other buckets untouched
-    cal.observe_lookup(8, 8)
-    cal.observe_lookup(8, 8)
+    for _ in range(4):
+        cal.observe_lookup(8, 8)
     assert cal.lookup(1) > 0.8 and cal.lookup(3) < cal.lookup(1)
-    cal.observe_lookup(8, 0)
-    assert cal.lookup(1) < 18 / 19
+    cal.observe_lookup(8, 0)  # rejected at depth 1: depth 2 was not judged
+    assert cal.lookup_tries[:2] == [5, 4] and cal.lookup_hits[:2] == [4, 4]
+    assert cal.lookup(2) / cal.lookup(1) > cal.lookup(1)  # past depth 1, runs go on
+    cal.observe_lookup(3, 3)  # a short chain fully taken: depth 4 not judged
+    assert len(cal.lookup_tries) == 8 and cal.lookup_tries[3] == 4
+
+
+def test_lookup_depths_never_offered_are_judged_by_the_pooled_rate():
+    cal = AcceptCalibration()
+    for _ in range(40):
+        cal.observe_lookup(3, 3)  # chains were cut at 3 and always taken
+    assert cal.lookup_tries[3:] == []
+    assert cal.lookup(4) / cal.lookup(3) > 0.9  # not a fixed 1/2 that would keep depth 4 pruned
 
 
 def test_min_useful_prob_scales_with_the_marginal_verify_cost():

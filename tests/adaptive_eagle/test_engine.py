@@ -110,11 +110,13 @@ def test_kv_cache_after_acceptance_equals_plain_cache():
 
 def test_trace_records_steps():
     target, head = tiny_setup()
-    res = SpeculativeEngine(target, head).generate([7, 7, 7], SamplingParams(max_tokens=10))
-    tr = res.trace
-    assert tr.loss_mask.count(1) == len(res.token_ids) and tr.backend == "reference"
-    assert all(s.tree_size >= 1 and 0 <= s.accept_length <= s.tree_size for s in tr.steps)
-    assert sum(s.accept_length + 1 for s in tr.steps) + 1 >= len(res.token_ids)
+    for cost_aware in (False, True):  # cost-aware steps may verify no draft at all (a plain step)
+        engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=cost_aware))
+        res = engine.generate([7, 7, 7], SamplingParams(max_tokens=10))
+        tr = res.trace
+        assert tr.loss_mask.count(1) == len(res.token_ids) and tr.backend == "reference"
+        assert all(s.tree_size >= (0 if cost_aware else 1) and 0 <= s.accept_length <= s.tree_size for s in tr.steps)
+        assert sum(s.accept_length + 1 for s in tr.steps) + 1 >= len(res.token_ids)
 
 
 def test_bad_inputs_are_refused():
@@ -194,3 +196,37 @@ def test_suffix_match_continuation():
     assert suffix_match_continuation(ctx, 3) == [4, 9, 9]
     assert suffix_match_continuation([1, 2, 3], 3) == []
     assert suffix_match_continuation(ctx, 0) == []
+
+
+def test_head_fed_lazily_drafts_what_it_drafts_when_fed_every_step():
+    from adaptive_eagle.draft_head import DraftKVCache
+    from adaptive_eagle.engine import _HeadFeed
+
+    target, head = tiny_setup(seed=6)
+    engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False))
+    torch.manual_seed(0)
+    chunks = [(torch.randint(0, 32, (k,)).tolist(), torch.randn(k, 3 * target.config.hidden_size, dtype=torch.float64))
+              for k in (5, 2, 1, 3)]
+    new = lambda: _HeadFeed(engine, DraftKVCache.empty(head.cfg, 1, 8, torch.float64, target.device))  # noqa: E731
+    eager, lazy = new(), new()
+    pos = 0
+    for tokens, aux in chunks:
+        eager.add(tokens, aux, pos)
+        eager.root()
+        lazy.add(tokens, aux, pos)
+        pos += len(tokens)
+    (h1, lp1), (h2, lp2) = eager.root(), lazy.root()
+    torch.testing.assert_close(h1, h2)
+    torch.testing.assert_close(lp1, lp2)
+    assert eager.cache.length == lazy.cache.length == pos
+
+
+def test_cost_aware_engine_copying_from_context_is_lossless():
+    target, head = tiny_setup(seed=4)
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=2, num_draft_tokens=8))
+    engine.calibration.lookup_hits, engine.calibration.lookup_tries = [50.0] * 8, [50.0] * 8  # lookup is "sure"
+    engine.eos_ids = set()
+    prompt = [5, 6, 7, 8, 9] * 3
+    got = engine.generate(prompt, SamplingParams(max_tokens=48))
+    assert got.token_ids == plain_greedy(target, prompt, 48)
+    assert any(s.tree_size > 0 for s in got.steps)
