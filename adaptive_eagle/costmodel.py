@@ -140,7 +140,7 @@ def best_prefix(accept: torch.Tensor, parents: torch.Tensor, depths: torch.Tenso
     return sorted(order[:best_k])
 
 
-def min_useful_prob(verify_ms, draft_ms: float, budget: int, rate: float) -> float:
+def min_useful_prob(verify_ms, budget: int, rate: float) -> float:
     """The acceptance below which one more node cannot pay for its share of the verify forward at
     the current rate (tokens per ms): expanding frontier paths less likely than this is wasted."""
     marginal = max(0.0, (verify_ms(1 + budget) - verify_ms(1)) / max(1, budget))

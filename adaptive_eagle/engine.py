@@ -130,7 +130,7 @@ class SpeculativeEngine:
                 pack_linears(self.head)
         self._cache_kw = _cache_kwarg(target.model)
         self.verify_cost, self.calibration = VerifyCost(), AcceptCalibration()
-        self.draft_ms = 0.0  # moving average of one step's drafting time
+        self.overhead_ms = 0.0  # moving average of a step's time outside the verify forward (drafting, upkeep)
         self.rate = float("nan")  # moving average of committed tokens per ms
         if self.config.cost_aware and (head is not None or self.config.prompt_lookup):
             self.calibrate()
@@ -208,7 +208,7 @@ class SpeculativeEngine:
         forward, step = (t_done - t_verify) * 1e3, (now - t_step) * 1e3
         self.verify_cost.observe(q, forward)
         fixed = step - forward
-        self.draft_ms = decay * self.draft_ms + (1 - decay) * fixed if self.draft_ms else fixed
+        self.overhead_ms = decay * self.overhead_ms + (1 - decay) * fixed if self.overhead_ms else fixed
         rate = committed / max(1e-6, step)
         self.rate = rate if not math.isfinite(self.rate) else decay * self.rate + (1 - decay) * rate
 
@@ -346,7 +346,7 @@ class SpeculativeEngine:
             n_lookup = split.lookup_nodes(budget, len(cont))
             min_prob = cfg.min_path_prob
             if cfg.cost_aware and math.isfinite(self.rate):
-                min_prob = max(min_prob, min_useful_prob(self.verify_cost, self.draft_ms, budget, self.rate))
+                min_prob = max(min_prob, min_useful_prob(self.verify_cost, budget, self.rate))
             root_hidden, root_lp = feed.root()
             eagle = self._draft(feed.cache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup), min_prob,
                                 cfg.depth)
@@ -356,7 +356,7 @@ class SpeculativeEngine:
             sources = (eagle_paths, lookup)
         if cfg.cost_aware and tree.size:
             est = self._accept_estimates(tree, *sources)
-            keep = best_prefix(est, tree.parents, tree.depths, self.verify_cost, self.draft_ms)
+            keep = best_prefix(est, tree.parents, tree.depths, self.verify_cost, self.overhead_ms)
             if len(keep) < tree.size:
                 tree = subset_tree(tree, keep)
                 kept = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)) for i in range(tree.size)}

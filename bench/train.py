@@ -4,13 +4,15 @@ Recipes (cumulative; each row adds one change to the row above):
   naive        fp32; every TTT step attends over the materialised unrolled sequence ((j+1)·T keys
                with a mask); the target's full-vocab logits, softmax over the draft vocab; every
                position scored at every step with a plain log_softmax cross-entropy.
-  +bf16        bf16 autocast (the target already runs in bf16).
+  +bf16        bf16 autocast. Only a win where the CPU multiplies bf16 natively (AVX512-BF16/AMX);
+               elsewhere PyTorch's bf16 GEMM is ~8x slower than fp32 and train-head stays in fp32.
   +ttt-attn    prefix + diagonal attention (O(T^2) a step), target rows computed only where a loss
                needs them, fused soft cross-entropy.
   +chain-rows  steps >= 1 run only for sampled chains (--rows a step): the efficient recipe that
                `adaptive-eagle train-head` uses.
 
-Same target (SmolLM2-135M bf16), same real held-out ShareGPT English batches, same head for all.
+Same target (SmolLM2-135M as train-head loads it), same real held-out ShareGPT English batches,
+same head for all.
 Prints a table and ends with one JSON line holding train_tokens_per_s and speedup_vs_naive.
 """
 
@@ -126,7 +128,7 @@ def main() -> None:
     if args.quick:
         args.batch_tokens, args.batches, args.repeats = 1024, 2, 1
     torch.manual_seed(0)
-    target = load_target()
+    target = load_target(purpose="train")  # as train-head loads it: bf16, or fp32 on CPUs without native bf16
     convs = list(D.select(D.load_sharegpt(limit=4000), domains=["english"], split="heldout"))
     exs = D.tokenize_all(convs, target.tokenizer, max_len=args.max_len)
     vocab = build_draft_vocab(token_counts(exs), 16384, target.config.vocab_size)

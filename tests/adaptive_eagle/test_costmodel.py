@@ -89,5 +89,5 @@ def test_lookup_depths_never_offered_are_judged_by_the_pooled_rate():
 
 def test_min_useful_prob_scales_with_the_marginal_verify_cost():
     flat, steep = VerifyCost({1: 10.0, 17: 10.0}), VerifyCost({1: 10.0, 17: 90.0})
-    assert min_useful_prob(flat, 5.0, 16, rate=0.05) == 0.0
-    assert abs(min_useful_prob(steep, 5.0, 16, rate=0.05) - 0.25) < 1e-9
+    assert min_useful_prob(flat, 16, rate=0.05) == 0.0
+    assert abs(min_useful_prob(steep, 16, rate=0.05) - 0.25) < 1e-9

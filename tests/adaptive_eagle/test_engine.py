@@ -205,8 +205,8 @@ def test_head_fed_lazily_drafts_what_it_drafts_when_fed_every_step():
     target, head = tiny_setup(seed=6)
     engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False))
     torch.manual_seed(0)
-    chunks = [(torch.randint(0, 32, (k,)).tolist(), torch.randn(k, 3 * target.config.hidden_size, dtype=torch.float64))
-              for k in (5, 2, 1, 3)]
+    chunks = [(torch.randint(0, 32, (k,)).tolist(),
+               torch.randn(k, 3 * target.config.hidden_size, dtype=torch.float64).to(target.device)) for k in (5, 2, 1, 3)]
     new = lambda: _HeadFeed(engine, DraftKVCache.empty(head.cfg, 1, 8, torch.float64, target.device))  # noqa: E731
     eager, lazy = new(), new()
     pos = 0
