@@ -17,7 +17,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
-SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v1"
+SHIPPED_HEAD = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v2"
 
 
 def _mount_store() -> None:

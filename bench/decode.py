@@ -35,7 +35,7 @@ from adaptive_eagle.targets import load_target  # noqa: E402
 from adaptive_eagle.trace import SamplingParams  # noqa: E402
 from trainer import data as D  # noqa: E402
 
-SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v1"
+SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v2"
 
 
 def english_prompts(conversations, n: int, max_chars: int = 1200) -> list[str]:

@@ -14,7 +14,7 @@ from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.targets import load_target
 from adaptive_eagle.trace import SamplingParams
 
-SHIPPED = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-english-v1"
+SHIPPED = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-english-v2"
 PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "Write a haiku about autumn leaves.",
            "Explain what a hash table is to a beginner."]
