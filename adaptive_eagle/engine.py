@@ -224,37 +224,13 @@ class SpeculativeEngine:
         """[N] estimated acceptance of each node from the calibrated draft path probability (EAGLE
         nodes) and the measured per-token lookup acceptance (nodes on the lookup chain)."""
         eagle = self.calibration.eagle(tree.scores.exp()) if eagle_paths else torch.zeros(tree.size)
-        paths: list[tuple] = []
         est = torch.zeros(tree.size)
-        for i in range(tree.size):
-            p = int(tree.parents[i])
-            path = (paths[p] if p >= 0 else ()) + (int(tree.tokens[i]),)
-            paths.append(path)
+        for i, path in enumerate(tree.token_paths):
             a = float(eagle[i]) if path in eagle_paths else 0.0
             if lookup[: len(path)] == list(path):
                 a = max(a, self.calibration.lookup(len(path)))
             est[i] = a
         return est
-
-    def _observe(self, tree: DraftTree, sources, res: VerifyResult) -> None:
-        eagle_paths, lookup = sources
-        if not self.config.cost_aware or not tree.size:
-            return
-        accepted = set(res.accepted_nodes)
-        probs, hits = [], []
-        path: dict[int, tuple] = {}
-        for i in range(tree.size):
-            p = int(tree.parents[i])
-            path[i] = (path[p] if p >= 0 else ()) + (int(tree.tokens[i]),)
-            if path[i] in eagle_paths:
-                probs.append(math.exp(float(tree.scores[i])))
-                hits.append(i in accepted)
-        self.calibration.observe_eagle(probs, hits)
-        taken = list(res.tokens[: res.accept_length])
-        run = 0
-        while run < min(len(lookup), len(taken)) and lookup[run] == taken[run]:
-            run += 1
-        self.calibration.observe_lookup(len(lookup), run)
 
     # ---- target ---------------------------------------------------------------------------------
     def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -345,12 +321,12 @@ class SpeculativeEngine:
         else:
             n_lookup = split.lookup_nodes(budget, len(cont))
             min_prob = cfg.min_path_prob
-            if cfg.cost_aware and math.isfinite(self.rate):
+            if cfg.cost_aware:  # 0 until a rate has been measured
                 min_prob = max(min_prob, min_useful_prob(self.verify_cost, budget, self.rate))
             root_hidden, root_lp = feed.root()
             eagle = self._draft(feed.cache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup), min_prob,
                                 cfg.depth)
-            eagle_paths = {tuple(int(eagle.tokens[j]) for j in eagle.path_to(i)) for i in range(eagle.size)}
+            eagle_paths = set(eagle.token_paths)
             lookup = cont[:n_lookup]
             tree = merge_trees(eagle, chain_tree(lookup), budget) if lookup else eagle
             sources = (eagle_paths, lookup)
@@ -359,7 +335,7 @@ class SpeculativeEngine:
             keep = best_prefix(est, tree.parents, tree.depths, self.verify_cost, self.overhead_ms)
             if len(keep) < tree.size:
                 tree = subset_tree(tree, keep)
-                kept = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)) for i in range(tree.size)}
+                kept = set(tree.token_paths)
                 lookup = sources[1]
                 n = 0
                 while n < len(lookup) and tuple(lookup[: n + 1]) in kept:
@@ -367,8 +343,8 @@ class SpeculativeEngine:
                 sources = (sources[0], lookup[:n])
         return tree, sources
 
-    @staticmethod
-    def _account(split: BudgetSplit, tree: DraftTree, sources, res: VerifyResult) -> None:
+    def _account(self, split: BudgetSplit, tree: DraftTree, sources, res: VerifyResult) -> None:
+        """What each source got accepted: feeds the budget split and (cost-aware) the calibration."""
         eagle_paths, lookup = sources
         accepted = list(res.tokens[: res.accept_length])
         by_lookup = 0
@@ -376,6 +352,12 @@ class SpeculativeEngine:
             by_lookup += 1
         by_eagle = sum(1 for k in range(1, len(accepted) + 1) if tuple(accepted[:k]) in eagle_paths)
         split.update(len(lookup), by_lookup, len(eagle_paths), by_eagle)
+        if self.config.cost_aware and tree.size:
+            taken = set(res.accepted_nodes)
+            eagle_nodes = [i for i, path in enumerate(tree.token_paths) if path in eagle_paths]
+            self.calibration.observe_eagle([math.exp(float(tree.scores[i])) for i in eagle_nodes],
+                                           [i in taken for i in eagle_nodes])
+            self.calibration.observe_lookup(len(lookup), by_lookup)
 
     # ---- the loop --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -420,7 +402,6 @@ class SpeculativeEngine:
             t_done = self._clock() if self.config.cost_aware else 0.0
             res = self._verify(tree, logits, sampling, generator)
             self._account(split, tree, sources, res)
-            self._observe(tree, sources, res)
             rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
             self._keep_cache(cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
             new = list(res.tokens)

@@ -17,6 +17,7 @@ candidates are kept. Scores only fall along a path, so the kept set is closed un
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,6 +47,14 @@ class DraftTree:
     def children(self, node: int) -> torch.Tensor:
         """Indices of the children of `node` (-1 = the root), in tree order."""
         return (self.parents == node).nonzero().flatten()
+
+    @functools.cached_property
+    def token_paths(self) -> list[tuple[int, ...]]:
+        """Per node (tree order), the draft tokens on the path root -> node; computed once per tree."""
+        paths: list[tuple[int, ...]] = []
+        for tok, parent in zip(self.tokens.tolist(), self.parents.tolist()):
+            paths.append((paths[parent] if parent >= 0 else ()) + (tok,))
+        return paths
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node`."""

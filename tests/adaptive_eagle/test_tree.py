@@ -110,3 +110,9 @@ def test_mask_is_float_with_large_negative():
     tree = chain_tree([4, 5])
     m = tree_attention_mask(tree, 2, torch.bfloat16)
     assert m.dtype == torch.bfloat16 and float(m.min()) < -1e30
+
+
+def test_token_paths_follow_parents():
+    tree = chain_tree([4, 5, 6])
+    assert tree.token_paths == [(4,), (4, 5), (4, 5, 6)]
+    assert all(list(p) == [int(tree.tokens[j]) for j in tree.path_to(i)] for i, p in enumerate(tree.token_paths))
