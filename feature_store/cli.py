@@ -1,5 +1,5 @@
 """`adaptive-eagle store stats|tail|export`: the feature store's command line (mounted by
-adaptive_eagle/cli.py). Thin: builds a StoreConfig, calls the package, prints rich tables."""
+adaptive_eagle_cli). Thin: builds a StoreConfig, calls the package, prints rich tables."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `adaptive-eagle` command line: help texts, clear refusals, export/import on a tiny head."""
+"""The `adaptive-eagle` program (adaptive_eagle_cli): help texts, clear refusals, export/import on a tiny head."""
 
 import json
 
@@ -7,7 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from adaptive_eagle.checkpoint import HeadMeta, save_head
-from adaptive_eagle.cli import app
+from adaptive_eagle_cli import app
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
 from adaptive_eagle.targets import tiny_target
 
@@ -113,10 +113,22 @@ def test_export_then_import_a_tiny_head(runner, tmp_path):
 def test_generate_help_and_bad_input():
     from typer.testing import CliRunner
 
-    from adaptive_eagle.cli import app
+    from adaptive_eagle_cli import app
 
     runner = CliRunner()
     res = runner.invoke(app, ["generate", "--help"])
     assert res.exit_code == 0 and "--temperature" in res.output and "--json" in res.output
     bad = runner.invoke(app, ["generate", "hi", "--max-tokens", "0", "--head", "none"])
     assert bad.exit_code != 0 and "invalid sampling" in bad.output
+
+
+def test_each_package_mounts_its_own_commands():
+    from adaptive_eagle.cli import app as core_app
+    from trainer.cli import trainer_app
+
+    assert {c.name for c in core_app.registered_commands} == {"generate", "target-info", "export-head", "import-head"}
+    assert {c.name for c in trainer_app.registered_commands} == {"train-head", "eval-head", "data-stats"}
+    top = invoke(CliRunner(), "--help").output
+    for cmd in ("generate", "target-info", "data-stats", "store"):  # top level, not nested under a group
+        assert cmd in top
+    assert "trainer" not in top.split("Commands")[1]

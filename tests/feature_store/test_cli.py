@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from adaptive_eagle.cli import app
+from adaptive_eagle_cli import app
 from feature_store.writer import StoreWriter
 from tests.feature_store.conftest import make_record
 

@@ -1,0 +1,35 @@
+"""adaptive_eagle_cli: the `adaptive-eagle` program, the one place that composes every package's
+commands. It sits above all of them; none of them imports it.
+
+Top level: the core's commands (adaptive_eagle.cli: generate, target-info, export-head,
+import-head), the trainer's (trainer.cli: train-head, eval-head, data-stats) and the demo
+(adaptive_eagle_cli.demo); `store ...` is the feature store's sub-app (feature_store.cli).
+Serving and policies mount their commands here when they have some.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from adaptive_eagle.cli import app as core_app
+from adaptive_eagle_cli.demo import demo_app
+from feature_store.cli import store_app
+from trainer.cli import trainer_app
+
+app = typer.Typer(
+    help="adaptive-eagle: EAGLE-3 speculative decoding whose draft heads keep adapting to live traffic.\n\n"
+    "Train and evaluate draft heads for a target model; later waves add serving, the feature store, "
+    "the near-line trainer and the promotion policy.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+# added without a name: their commands appear at top level, not nested
+app.add_typer(trainer_app)
+app.add_typer(core_app)
+app.add_typer(demo_app)
+app.add_typer(store_app, name="store")
+
+
+def main() -> None:  # pragma: no cover
+    app()

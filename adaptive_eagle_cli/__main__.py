@@ -1,0 +1,3 @@
+from adaptive_eagle_cli import main
+
+main()

@@ -1,0 +1,110 @@
+"""`adaptive-eagle train-head | eval-head | data-stats`: the trainer's commands (mounted at top level
+by adaptive_eagle_cli). Thin: parses options, calls trainer, prints results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from adaptive_eagle.cli import SHIPPED_HEAD, fail
+
+trainer_app = typer.Typer(help="Train and evaluate draft heads offline.", add_completion=False)
+
+
+@trainer_app.command("train-head")
+def train_head(
+    out: Path = typer.Option(..., "--out", "-o", help="version directory to write the trained head to"),
+    run_dir: Optional[Path] = typer.Option(None, help="resumable run state (default: <cache>/runs/<out name>)"),
+    target: str = typer.Option("smollm2-135m", help="built-in target name or local HF model directory"),
+    aux_layers: Optional[str] = typer.Option(None, help="comma-separated aux layer ids (input of layer k); "
+                                              "default 2,L//2,L-3"),
+    init_head: Optional[Path] = typer.Option(None, help="fine-tune this head instead of starting fresh"),
+    domains: str = typer.Option("english", help="comma-separated ShareGPT domains: english,code,math,non_english"),
+    data_jsonl: Optional[Path] = typer.Option(None, help="train on JSONL {id, conversations:[{role, content}]}"),
+    token_budget: int = typer.Option(2_000_000, help="stop after this many training tokens"),
+    minutes: Optional[float] = typer.Option(None, help="stop after this many minutes (resumable)"),
+    lr: float = typer.Option(5e-4, help="peak learning rate (warmup, then cosine to 10%)"),
+    max_len: int = typer.Option(512, help="tokens per conversation"),
+    batch_tokens: int = typer.Option(4096, help="padded tokens per batch"),
+    max_loss_rows: int = typer.Option(1024, help="positions scored per TTT step; 0 = all"),
+    draft_vocab_size: Optional[int] = typer.Option(None, help="default: smallest size covering --vocab-coverage"),
+    vocab_coverage: float = typer.Option(0.97, help="assistant-token coverage the draft vocab must reach"),
+    num_experts: int = typer.Option(1, help="1 = dense head; >1 = MoE-routed MLP"),
+    warm_start: str = typer.Option("full", help="full: lm_head rows, norms and a target decoder layer; "
+                                   "output: lm_head + norm; none: random"),
+    resume: bool = typer.Option(True, help="continue the run in --run-dir when it exists"),
+    eval_every: int = typer.Option(100, help="steps between held-out acceptance evaluations"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Train an EAGLE-3 draft head with training-time test (7 unrolled steps) on ShareGPT or JSONL data.
+
+    Shows loss and per-step top-1 agreement, prints held-out 0-α…6-α every --eval-every steps, checkpoints the run every 5 minutes (stop any time, rerun to resume), and writes the head in SGLang's EAGLE-3 layout plus head.json.
+    """
+    from pydantic import ValidationError
+
+    from trainer.offline import TrainHeadConfig
+    from trainer.train_head import run_train_head
+
+    try:
+        cfg = TrainHeadConfig(
+            target=target, aux_layer_ids=[int(k) for k in aux_layers.split(",")] if aux_layers else None,
+            domains=[d.strip() for d in domains.split(",") if d.strip()],
+            data_jsonl=str(data_jsonl) if data_jsonl else None, token_budget=token_budget,
+            time_budget_min=minutes, lr=lr, max_len=max_len, batch_tokens=batch_tokens,
+            max_loss_rows=max_loss_rows or None, draft_vocab_size=draft_vocab_size, vocab_coverage=vocab_coverage,
+            num_experts=num_experts, warm_start=warm_start, eval_every=eval_every, seed=seed,
+        )
+    except ValidationError as e:
+        fail(f"bad option: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+    from adaptive_eagle.targets import cache_dir
+
+    run = run_dir or cache_dir() / "runs" / out.name
+    result = run_train_head(cfg, run, out_dir=out, init_head=init_head, resume=resume)
+    ev = result["heldout_english"]
+    typer.echo("held-out acceptance after training:")
+    typer.echo("  " + "  ".join(f"{j}-α {a:.3f}" for j, a in enumerate(ev["alpha"])))
+    typer.echo(f"  expected accept length (chain, bonus included) {ev['accept_length']:.3f}")
+    typer.echo(json.dumps(result, default=str))
+
+
+@trainer_app.command("eval-head")
+def eval_head(
+    head: Path = typer.Argument(SHIPPED_HEAD, help="head version directory"),
+    target: Optional[str] = typer.Option(None, help="default: the head's target_name"),
+    domains: str = typer.Option("english,code,math", help="held-out domains to evaluate"),
+    convs: int = typer.Option(48, help="held-out conversations per domain"),
+    max_len: int = typer.Option(1024, help="tokens per conversation"),
+    update_meta: bool = typer.Option(False, help="write the results into head.json metrics"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Per-position acceptance (0-α…6-α) and expected accept length on held-out ShareGPT domains."""
+    from adaptive_eagle.checkpoint import HeadValidationError
+    from trainer.train_head import run_eval_head
+
+    if not (head / "head.json").exists():
+        fail(f"{head}: not a head version directory (no head.json)")
+    try:
+        res = run_eval_head(head, target, [d.strip() for d in domains.split(",")], convs, max_len, update_meta,
+                            log=(lambda s: None) if as_json else typer.echo)
+    except HeadValidationError as e:
+        fail(f"head refused: {e}")
+    if as_json:
+        typer.echo(json.dumps(res))
+
+
+@trainer_app.command("data-stats")
+def data_stats(jsonl: Optional[Path] = typer.Option(None, help="a JSONL file instead of ShareGPT")) -> None:
+    """Conversations per domain and split in ShareGPT (or a JSONL file)."""
+    from trainer import data as D
+
+    convs = list(D.load_jsonl(jsonl) if jsonl else D.load_sharegpt())
+    rows = {d: {"train": 0, "heldout": 0} for d in D.DOMAINS}
+    for c in convs:
+        rows[c.domain][D.split_of(c.id)] += 1
+    typer.echo(f"{'domain':12s} {'train':>7s} {'heldout':>8s}")
+    for d, r in rows.items():
+        typer.echo(f"{d:12s} {r['train']:7d} {r['heldout']:8d}")
+    typer.echo(f"{'total':12s} {sum(r['train'] for r in rows.values()):7d} {sum(r['heldout'] for r in rows.values()):8d}")
