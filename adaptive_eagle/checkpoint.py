@@ -3,8 +3,8 @@
 Owns: one version directory ``<version>/{config.json, model.safetensors, head.json}`` (SGLang's
 ``LlamaForCausalLMEagle3`` layout plus our provenance), the one function that upgrades old or
 foreign config layouts (``upgrade_config``), the checks every load runs (``HeadValidationError``),
-and the atomic staged directory write (``staging_dir``, also used by interop.py and the trainer's
-run state). Must not touch: export to / import from other stacks (``interop.py``), the head math
+and the head's storage dtype names. Writes go through ``atomic.py`` (``staging_dir`` is re-exported
+here for older callers). Must not touch: export to / import from other stacks (``interop.py``), the head math
 (``draft_head.py``), the registry's champion pointer or promotion log, the network. Only
 safetensors and JSON are read or written; nothing is ever unpickled.
 
@@ -23,28 +23,24 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from adaptive_eagle.atomic import atomic_write_text, staging_dir
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
-from adaptive_eagle.targets import Target, default_aux_layer_ids, from_sglang_config_layer_ids, sglang_config_layer_ids
+from adaptive_eagle.targets import DTYPES, Target, parse_dtype, default_aux_layer_ids, from_sglang_config_layer_ids, sglang_config_layer_ids
 
 FORMAT_VERSION = 1
 CONFIG_FILE, WEIGHTS_FILE, META_FILE = "config.json", "model.safetensors", "head.json"
 EMBED_KEY = "embed_tokens.weight"
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LAYER_ID_CONVENTION = (
     "aux_layer_ids[i] = k names the INPUT of target decoder layer k (transformers hidden_states[k]); "
     "eagle_config.eagle_aux_hidden_state_layer_ids holds k - 1 because SGLang captures the input of "
@@ -365,49 +361,23 @@ def _fill_head(head: Eagle3DraftHead, tensors: dict[str, torch.Tensor], dtype: t
     return head
 
 
+def storage_dtype_name(dtype: torch.dtype) -> str:
+    """The name config.json records for a head stored in `dtype` ("bfloat16", "float32", "float16":
+    torch's own spelling, which targets.DTYPES, the one dtype table, also accepts)."""
+    name = str(dtype).removeprefix("torch.")
+    if DTYPES.get(name) != dtype:
+        raise ValueError(f"dtype {dtype} cannot be stored; use one of bfloat16, float32, float16")
+    return name
+
+
 def _float_dtype(config: dict, tensors: dict[str, torch.Tensor]) -> torch.dtype:
-    if config.get("torch_dtype") in _DTYPES:
-        return _DTYPES[config["torch_dtype"]]
-    return next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
+    try:
+        return parse_dtype(config["torch_dtype"])
+    except (KeyError, ValueError, AttributeError):  # absent, unknown or not a string: the tensors decide
+        return next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)
 
 
 # ---- save / load ----------------------------------------------------------------------------
-@contextmanager
-def staging_dir(final: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temp dir next to `final`; on success it becomes `final` by os.replace (atomic rename).
-
-    Files are fsynced first; with `overwrite`, an existing `final` is swapped out and deleted (put back
-    if the swap fails). On any error the temp dir is removed and `final` is left as it was.
-    """
-    if final.exists() and not overwrite:
-        raise FileExistsError(f"{final} exists; head versions are immutable (overwrite=True replaces it)")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes 0700; servers on a shared registry must read it
-    try:
-        yield tmp
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        if final.exists():  # overwrite: move the old one aside, swap in the new one, then delete the old
-            old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(final, old)
-            try:
-                os.replace(tmp, final)
-            except OSError:
-                os.replace(old, final)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
-                os.replace(tmp, final)
-            except OSError as e:  # another writer created it meanwhile (a non-empty directory)
-                raise FileExistsError(f"{final} appeared while saving; head versions are immutable") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def save_head(head: Eagle3DraftHead, directory: str | os.PathLike, meta: HeadMeta,
               dtype: torch.dtype = torch.bfloat16, *, overwrite: bool = False) -> HeadMeta:
     """Write one version directory atomically; returns `meta` with sha256 (and created) filled in.
@@ -415,9 +385,7 @@ def save_head(head: Eagle3DraftHead, directory: str | os.PathLike, meta: HeadMet
     Refuses (HeadValidationError) a head whose weights are non-finite after the cast to `dtype`.
     """
     final = Path(directory)
-    dtype_name = next((k for k, v in _DTYPES.items() if v == dtype), None)
-    if dtype_name is None:
-        raise ValueError(f"dtype {dtype} not one of {list(_DTYPES)}")
+    dtype_name = storage_dtype_name(dtype)
     tensors = {k: (t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()).contiguous()
                for k, t in head.state_dict().items() if k != EMBED_KEY}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
@@ -436,9 +404,7 @@ def update_metrics(directory: str | os.PathLike, metrics: dict) -> HeadMeta:
     d = Path(directory)
     meta = HeadMeta.from_json((d / META_FILE).read_text(), d / META_FILE)
     meta = dataclasses.replace(meta, metrics={**meta.metrics, **metrics})
-    tmp = d / f".{META_FILE}.{uuid.uuid4().hex}"
-    tmp.write_text(meta.to_json())
-    os.replace(tmp, d / META_FILE)
+    atomic_write_text(d / META_FILE, meta.to_json())
     return meta
 
 
@@ -477,5 +443,5 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
 
 __all__ = [
     "FORMAT_VERSION", "HeadMeta", "HeadValidationError", "LoadedHead", "file_sha256", "load_head", "read_config",
-    "save_head", "staging_dir", "update_metrics", "upgrade_config", "utc_now_iso",
+    "save_head", "staging_dir", "storage_dtype_name", "update_metrics", "upgrade_config", "utc_now_iso",
 ]

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.checkpoint import (  # the private helpers are this package's shared checks
-    _DTYPES,
     CONFIG_FILE,
     EMBED_KEY,
     WEIGHTS_FILE,
@@ -40,7 +40,7 @@ from adaptive_eagle.checkpoint import (  # the private helpers are this package'
     file_sha256,
     load_head,
     save_head,
-    staging_dir,
+    storage_dtype_name,
 )
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.targets import Target
@@ -72,7 +72,7 @@ def export_speculators(head_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                          "cannot be exported")
     tensors = {_speculators_key(k): t.detach().cpu().contiguous()
                for k, t in loaded.head.state_dict().items() if k != EMBED_KEY}
-    dtype_name = next(k for k, v in _DTYPES.items() if v == loaded.head.fc.weight.dtype)
+    dtype_name = storage_dtype_name(loaded.head.fc.weight.dtype)
     arch = (getattr(target.config, "architectures", None) or [type(target.model).__name__]) if target else None
     layer = {k: v for k, v in _config_json(cfg.to_dict(), dtype_name).items()
              if k not in ("architectures", "eagle_config", "adaptive_eagle", "draft_vocab_size", "target_hidden_size")}

@@ -6,11 +6,11 @@ Backends move opaque payloads (Arrow IPC bytes from schema.py); they never decod
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from adaptive_eagle.atomic import atomic_write_text
 from feature_store.config import StoreConfig
 
 COUNTERS = ("dropped", "opted_out", "corrupt", "written", "write_errors")
@@ -62,16 +62,4 @@ def open_backend(config: StoreConfig) -> Backend:
 
 def atomic_write_json(path: Path, obj: dict, fsync: bool = True) -> None:
     """Write JSON so a crash leaves either the old or the new file, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+    atomic_write_text(path, json.dumps(obj), fsync=fsync)

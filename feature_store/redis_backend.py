@@ -13,7 +13,6 @@ that died mid-batch) to the next consumer that reads.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from adaptive_eagle.atomic import atomic_write_bytes
 from feature_store.backend import COUNTERS, BackendStats, Entry, StoreUnavailable
 from feature_store.config import StoreConfig
 
@@ -71,9 +71,7 @@ class RedisBackend:
     def _spill(self, payload: bytes) -> dict:
         self.spill_root.mkdir(parents=True, exist_ok=True)
         name = f"{int(time.time() * 1000)}-{uuid.uuid4().hex}.arrows"
-        tmp = self.spill_root / f".{name}.tmp"
-        tmp.write_bytes(payload)
-        os.replace(tmp, self.spill_root / name)
+        atomic_write_bytes(self.spill_root / name, payload, fsync=False)  # as before: no fsync per spill
         rel = str((self.spill_root / name).relative_to(self.cfg.spill_dir))
         return {"ptr": rel, "n": len(payload), "crc": zlib.crc32(payload)}
 

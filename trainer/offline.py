@@ -20,7 +20,7 @@ import torch
 from pydantic import BaseModel, Field
 from safetensors.torch import load_file, save_file
 
-from adaptive_eagle.checkpoint import staging_dir
+from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
 from adaptive_eagle.targets import Target
 from trainer.data import TokenizedExample
@@ -142,7 +142,7 @@ def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7
 
 # ---- run state --------------------------------------------------------------------------------------
 def save_run_state(run_dir: Path, head, opt, state: RunState, cfg: TrainHeadConfig, extra: dict) -> None:
-    """Replace ``run_dir/state`` atomically (checkpoint.staging_dir) with the head, optimizer and run state."""
+    """Replace ``run_dir/state`` atomically (atomic.staging_dir) with the head, optimizer and run state."""
     with staging_dir(run_dir / "state", overwrite=True) as d:
         sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
         save_file(sd, d / "head.safetensors")
