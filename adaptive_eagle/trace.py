@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-TRACE_SCHEMA_VERSION = "1.0"  # major.minor; readers refuse an unknown major
+TRACE_SCHEMA_VERSION = "1.1"  # major.minor; readers refuse an unknown major (1.1: compute, lossless)
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ class TraceRecord:
     aux_hidden: np.ndarray | None = None
     aux_layer_ids: tuple[int, ...] = ()  # input-of-layer convention (adaptive_eagle.targets)
     created_at: float = field(default_factory=time.time)  # unix seconds
+    compute: str = ""  # how the target ran, e.g. "float32+fp16-weights" ("" = not recorded)
+    lossless: str = ""  # "exact", or "lossless up to bf16 rounding" when the target ran in bf16
     schema_version: str = TRACE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:

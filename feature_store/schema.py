@@ -3,7 +3,7 @@
 Owns: column layout, schema version checks, payload (de)serialisation. Must not touch: models, I/O.
 
 Layout (one row per record): metadata columns (ids, fingerprint, head version, backend, tenant,
-domain, sampling struct, created_at), token columns (`input_ids` int32, `loss_mask` int8, `steps`
+domain, sampling struct, created_at, compute mode and lossless label since 1.1), token columns (`input_ids` int32, `loss_mask` int8, `steps`
 list of structs) and optional encoded features: `aux_data` holds the hidden states [T, n_aux * H]
 encoded by `aux_codec` as [T * n_aux, H] rows (e.g. int8b: one fp16 scale per 64-channel block of each row), with
 `aux_rows` = T and `aux_cols` = n_aux * H. The schema's metadata carries `trace_schema_version`
@@ -46,6 +46,7 @@ TRACE_SCHEMA = pa.schema(
         ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())), ("steps", pa.list_(STEP_TYPE)),
         ("aux_layer_ids", pa.list_(pa.int32())), ("aux_codec", pa.string()), ("aux_rows", pa.int32()),
         ("aux_cols", pa.int32()), ("aux_data", pa.binary()),
+        ("compute", pa.string()), ("lossless", pa.string()),  # since 1.1
     ],
     metadata={VERSION_KEY: TRACE_SCHEMA_VERSION.encode()},
 )
@@ -88,7 +89,7 @@ def record_to_row(record: TraceRecord, codec: str) -> dict:
                    "rejected_draft_prob": st.rejected_draft_prob, "rejected_target_prob": st.rejected_target_prob}
                   for st in record.steps],
         "aux_layer_ids": list(record.aux_layer_ids), "aux_codec": aux_codec, "aux_rows": aux_rows,
-        "aux_cols": aux_cols, "aux_data": aux_data,
+        "aux_cols": aux_cols, "aux_data": aux_data, "compute": record.compute, "lossless": record.lossless,
     }
 
 
@@ -129,6 +130,7 @@ def row_to_record(row: dict, version: str = TRACE_SCHEMA_VERSION) -> TraceRecord
                                 seed=s.get("seed")),
         domain=row["domain"], capture_consent=bool(row["capture_consent"]), aux_hidden=decode_aux(row),
         aux_layer_ids=tuple(row["aux_layer_ids"] or ()), created_at=float(row["created_at"]), schema_version=version,
+        compute=row.get("compute") or "", lossless=row.get("lossless") or "",
     )
 
 

@@ -25,7 +25,8 @@ def test_round_trip_keeps_every_field():
     back = decode_record(encode_record(r, "fp16"))
     assert back.without_hidden().steps[1].rejected_token == -1 and math.isnan(back.steps[1].rejected_draft_prob)
     for f in ("request_id", "target_fingerprint", "head_version", "backend", "input_ids", "loss_mask", "tenant",
-              "sampling", "domain", "capture_consent", "aux_layer_ids", "created_at", "schema_version"):
+              "sampling", "domain", "capture_consent", "aux_layer_ids", "created_at", "schema_version", "compute",
+              "lossless"):
         assert getattr(back, f) == getattr(r, f), f
     assert back.steps[0].accept_length == 2 and back.steps[0].rejected_draft_prob == pytest.approx(0.25)
     np.testing.assert_allclose(back.aux_hidden, r.aux_hidden, rtol=2 ** -10, atol=1e-6)
@@ -48,3 +49,18 @@ def test_unknown_major_version_is_refused_clearly_and_minor_is_accepted():
 def test_corrupt_payloads_raise_corrupt_record_error(payload):
     with pytest.raises(CorruptRecordError):
         decode_record(payload)
+
+
+def test_version_1_0_payloads_without_compute_columns_still_decode():
+    import dataclasses
+
+    r = dataclasses.replace(make_record(2), compute="bfloat16", lossless="lossless up to bf16 rounding")
+    assert decode_record(encode_record(r, "bf16")).lossless == "lossless up to bf16 rounding"
+    old = pa.schema([f for f in TRACE_SCHEMA if f.name not in ("compute", "lossless")],
+                    metadata={VERSION_KEY: b"1.0"})
+    row = {k: v for k, v in record_to_row(r, "bf16").items() if k in old.names}
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, old) as w:
+        w.write_batch(pa.RecordBatch.from_pylist([row], schema=old))
+    back = decode_record(sink.getvalue().to_pybytes())
+    assert back.schema_version == "1.0" and back.compute == "" and back.lossless == "" and back.input_ids == r.input_ids
