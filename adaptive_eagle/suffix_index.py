@@ -29,7 +29,7 @@ used documents go first. Per held token: 8 bytes in the token arena plus one ind
 4 * max_match + 16 bytes (56 bytes at max_match 8: about 15 MB for the default 262,144 tokens); the
 arena is compacted when evicted tokens outnumber max(held, 4096), so it stays under
 2 x (held + max(held, 4096)) tokens. A proposal merges at most `max_occurrences` continuations
-(the most recently added documents first), so its cost does not grow with the index.
+(the most recently added documents first), so the tree's cost does not grow with the index.
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def continuation_tree(continuations: np.ndarray, max_nodes: int) -> DraftTree | 
     depth = np.arange(c)
     opens = lcp[:, None] <= depth  # [M, C] row r opens a run at depth d
     run = np.cumsum(opens, axis=0) + (depth * m - 1)  # [M, C] run id, unique over depths
-    size = np.append(np.bincount(run.ravel(), minlength=m * c), m)  # rows per run; the last: the root
+    size = np.bincount(run.ravel(), minlength=m * c + 1)  # rows per run
+    size[-1] = m  # the last: the root's
     r, d = np.nonzero(opens & valid)  # one (r, d) per trie node
     cnt = size[run[r, d]]
     if r.size > max_nodes:
@@ -124,11 +125,13 @@ def continuation_tree(continuations: np.ndarray, max_nodes: int) -> DraftTree | 
     node_of_run = np.full(m * c + 1, -1, dtype=np.int64)  # the last: the root
     node_of_run[run[r, d]] = np.arange(r.size)
     parent_run = np.where(d > 0, run[r, d - 1], m * c)  # d - 1 = -1 wraps harmlessly where d == 0
-    ints = np.stack([s[r, d], node_of_run[parent_run], d + 1]).astype(np.int64)  # [3, N]
-    floats = np.log(np.stack([cnt / m, cnt / size[parent_run]])).astype(np.float32)  # [2, N]
-    tokens, parents, depths = torch.from_numpy(ints).unbind(0)
-    scores, logprobs = torch.from_numpy(floats).unbind(0)
-    return DraftTree(tokens=tokens, parents=parents, depths=depths, scores=scores, logprobs=logprobs)
+    return DraftTree(
+        tokens=torch.from_numpy(s[r, d].astype(np.int64, copy=False)),
+        parents=torch.from_numpy(node_of_run[parent_run]),
+        depths=torch.from_numpy((d + 1).astype(np.int64, copy=False)),
+        scores=torch.from_numpy(np.log(cnt / m).astype(np.float32)),
+        logprobs=torch.from_numpy(np.log(cnt / size[parent_run]).astype(np.float32)),
+    )
 
 
 class SuffixIndex:
@@ -218,19 +221,22 @@ class SuffixIndex:
         return lo, hi
 
     def _longest_match(self, keys: np.ndarray, query: bytes) -> tuple[int, int]:
-        """Binary search over the suffix length (a suffix that occurs implies its shorter ones do)."""
-        short, long_ = self.config.min_match, len(query) // 4
-        best = self._range(keys, query, short)
-        if best[1] <= best[0]:
-            return best
-        while short < long_:
-            mid = (short + long_ + 1) // 2
-            found = self._range(keys, query, mid)
-            if found[1] > found[0]:
-                short, best = mid, found
-            else:
-                long_ = mid - 1
-        return best
+        """The rows of the longest suffix found: in a sorted array the key sharing the longest prefix
+        with the query is next to the query's insertion point (the suffix-array LCP argument)."""
+        n = len(query) // 4
+        at = int(np.searchsorted(keys, np.frombuffer(query + b"\x00" * (self._key_dtype.itemsize - 4 * n),
+                                                       dtype=self._key_dtype)[0], "left"))
+        best = 0
+        for row in (at - 1, at):
+            if 0 <= row < keys.size:
+                key = keys[row].tobytes()
+                shared = n if key.startswith(query) else 0
+                while shared < n and key[4 * shared : 4 * shared + 4] == query[4 * shared : 4 * shared + 4]:
+                    shared += 1
+                best = max(best, shared)
+        if best < self.config.min_match:
+            return 0, 0
+        return self._range(keys, query, best)
 
     # ---- writing -------------------------------------------------------------------------------
     def add(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, tenant: str = "default") -> bool:
