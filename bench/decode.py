@@ -1,41 +1,56 @@
-"""Decoding speed on CPU, batch 1, greedy: plain decoding, HF generate() (plain and with prompt
-lookup) and this engine (chain, tree, tree + lookup; cost-aware, and tree + lookup with the fixed
-tree size), side by side in one run, on held-out ShareGPT English prompts and on a repetitive set
-(rewrite a given code block: the answer quotes its input).
+"""Decoding speed, batch 1, greedy, against an honest baseline: the fastest PLAIN decoding this
+machine can run.
 
-The target runs the way `load_target` picks for this machine (`compute` in the JSON: bf16, or fp32
-activations over fp16-packed weights on CPUs without native bf16); `plain-bf16` is plain decoding
-of the same checkpoint in bf16, so the headline never hides a slower baseline: speedup_vs_plain
-divides by the fastest plain row (ours, ours in bf16, or HF generate()).
+Plain rows: this engine with no head, and HF `generate()`, each in every compute mode available here
+(CPU: bf16, fp32, fp32+fp16-weights where FBGEMM and a bf16 checkpoint allow it; CUDA: bf16, fp16,
+fp32). Every speedup divides by the fastest of them, named in each table and the JSON ("baseline":
+"hf-generate[fp32+fp16-weights]"). Speculative rows run in the default mode (`load_target`'s
+measured choice, exact by default; `--compute` forces one): HF `generate()` + prompt lookup, and
+this engine as chain, tree, tree + lookup (the default: + the cross-request suffix index where the
+engine has it) and the default with a fixed tree size.
 
-Methods run interleaved prompt by prompt, so machine noise hits them alike. Reports tokens/s, mean
-accept length (tokens per target forward) and speedups; ends with one JSON line holding
-speedup_vs_plain, speedup_vs_prompt_lookup and accept_length_mean (the engine's tree + lookup on
-English). Speculative outputs are compared token for token with plain decoding (bf16 near-ties can
-flip an argmax between a one-token and a tree forward; mismatches are counted, not hidden).
+Workloads: English (held-out ShareGPT first turns), repetitive (rewrite a given code block: the
+answer quotes its input) and agent (`bench/workloads.agent_prompts`: structured output over varying
+real inputs, served in sequence so later requests can reuse earlier outputs through the engine's
+suffix index; rows there: the plain baselines, HF prompt lookup and the engine's default). Each
+engine row owns its engine (its own suffix index) and engines are built afresh per workload;
+calibration persistence is off, so rows do not feed each other and runs repeat.
+
+Mismatches: every row's output is compared token for token with plain greedy output of this engine
+in the SAME compute mode; rows in an inexact mode (bf16, fp16) are also compared with the plain
+output of the exact mode (both reported). Methods run interleaved prompt by prompt, so machine
+noise hits them alike. Ends with one JSON line (speedup_vs_plain, baseline, mismatches,
+agent_speedup_vs_plain, agent_speedup_vs_prompt_lookup, head_install_ms, compute, ...).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adaptive_eagle.checkpoint import load_head  # noqa: E402
+from adaptive_eagle.compute import available_modes, is_exact_mode, mode_of  # noqa: E402
+from adaptive_eagle.cpu_linear import fbgemm_fp16_available  # noqa: E402
 from adaptive_eagle.engine import EngineConfig, SpeculativeEngine  # noqa: E402
-from adaptive_eagle.targets import load_target  # noqa: E402
+from adaptive_eagle.targets import checkpoint_dtype, load_target  # noqa: E402
 from adaptive_eagle.trace import SamplingParams  # noqa: E402
 from trainer import data as D  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v2"
+DEFAULT_ROW = "tree+lookup"  # the engine's default configuration
+WORKLOADS = ("english", "repetitive", "agent")
 
 
 def english_prompts(conversations, n: int, max_chars: int = 1200) -> list[str]:
@@ -65,7 +80,13 @@ def code_rewrite_prompts(conversations, n: int) -> list[str]:
     return out
 
 
-def hf_generate(target, ids, max_new, lookup: int | None):
+def engine_config(**kw) -> EngineConfig:
+    """EngineConfig with the options this engine version has (suffix_drafting, calibration_dir are newer)."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in kw.items() if k in known})
+
+
+def hf_generate(target, ids, max_new, lookup: int | None) -> list[int]:
     x = torch.tensor([ids], device=target.device)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
@@ -73,97 +94,191 @@ def hf_generate(target, ids, max_new, lookup: int | None):
     return out[0, len(ids):].tolist()
 
 
-def run_set(name, prompts, target, engines, max_new):
-    rows = {m: {"tokens": 0, "seconds": 0.0, "accept": [], "mismatch": 0}
-            for m in ["plain", *(["plain-bf16"] if "plain-bf16" in engines else []), "hf", "hf-lookup", *engines]}
+@dataclass
+class Row:
+    """One method in one compute mode; run(ids, max_new) -> (tokens, accept length or None)."""
+
+    name: str
+    mode: str
+    run: Callable[[list[int], int], tuple[list[int], float | None]]
+    plain: bool = False  # a non-speculative row: a baseline candidate
+    speculative: bool = False  # an engine row with drafting (counted in the headline mismatches)
+    tokens: int = 0
+    seconds: float = 0.0
+    accept: list[float] = field(default_factory=list)
+    mismatch_same: int = 0
+    mismatch_exact: int | None = None
+
+
+def _engine_run(engine: SpeculativeEngine):
+    def run(ids, max_new):
+        res = engine.generate(ids, SamplingParams(max_tokens=max_new))
+        return res.token_ids, res.accept_length_mean
+
+    return run
+
+
+def build_rows(workload: str, targets: dict, default_mode: str, head, version: str | None, tree: dict) -> list[Row]:
+    """Fresh engines for one workload: plain engine + HF generate() per mode, then the speculative rows."""
+    quiet = dict(calibration_dir="")  # no persisted calibration: rows independent, runs repeatable
+    rows = [Row(f"plain[{m}]", m, _engine_run(SpeculativeEngine(t, None, engine_config(
+        prompt_lookup=False, suffix_drafting=False, **quiet))), plain=True) for m, t in targets.items()]
+    rows += [Row(f"hf-generate[{m}]", m, (lambda t: lambda ids, n: (hf_generate(t, ids, n, None), None))(t), plain=True)
+             for m, t in targets.items()]
+    target = targets[default_mode]
+    rows.append(Row("hf-prompt-lookup", default_mode, lambda ids, n: (hf_generate(target, ids, n, 10), None)))
+
+    def spec(name, **kw):
+        engine = SpeculativeEngine(target, head, engine_config(**{**tree, **quiet, **kw}), head_version=version)
+        return Row(name, default_mode, _engine_run(engine), speculative=True)
+
+    if workload != "agent":
+        rows.append(spec("chain", topk=1, num_draft_tokens=tree["depth"], prompt_lookup=False, suffix_drafting=False))
+        rows.append(spec("tree", prompt_lookup=False, suffix_drafting=False))
+    rows.append(spec(DEFAULT_ROW))
+    if workload != "agent":
+        rows.append(spec(f"{DEFAULT_ROW}-fixed", cost_aware=False))
+    return rows
+
+
+def _differs(toks: list[int], ref: list[int]) -> bool:
+    return toks[: len(ref)] != ref[: len(toks)]
+
+
+def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, max_new: int) -> dict:
+    """Run every row on every prompt (prompt-major, in order), then tabulate against the fastest plain row."""
     for i, prompt in enumerate(prompts):
-        ids = engines["tree+lookup"].encode(prompt)
-        sp = SamplingParams(max_tokens=max_new)
-        ref = None
-        for m in rows:
+        ids = encode(prompt)
+        outputs: dict[str, list[int]] = {}
+        for row in rows:
             t0 = time.perf_counter()
-            if m.startswith("plain"):
-                toks = engines[m].generate(ids, sp).token_ids
-            elif m.startswith("hf"):
-                toks = hf_generate(target, ids, max_new, 10 if m == "hf-lookup" else None)
-            else:
-                res = engines[m].generate(ids, sp)
-                toks = res.token_ids
-                rows[m]["accept"].append(res.accept_length_mean)
-            dt = time.perf_counter() - t0
-            rows[m]["tokens"] += len(toks)
-            rows[m]["seconds"] += dt
-            if m == "plain":
-                ref = toks
-            elif toks[: len(ref)] != ref[: len(toks)]:
-                rows[m]["mismatch"] += 1
+            toks, accept = row.run(ids, max_new)
+            row.seconds += time.perf_counter() - t0
+            row.tokens += len(toks)
+            outputs[row.name] = toks
+            if accept is not None:
+                row.accept.append(accept)
+        for row in rows:  # the plain engine output of each mode is that mode's reference
+            row.mismatch_same += _differs(outputs[row.name], outputs[f"plain[{row.mode}]"])
+            if not is_exact_mode(row.mode):
+                row.mismatch_exact = (row.mismatch_exact or 0) + _differs(outputs[row.name], outputs[f"plain[{exact_mode}]"])
         print(f"  [{name}] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    tps = {r.name: r.tokens / r.seconds if r.seconds else 0.0 for r in rows}
+    baseline = max((r for r in rows if r.plain), key=lambda r: tps[r.name]).name
     table = {}
-    for m, r in rows.items():
-        tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
-        table[m] = {"tokens_per_s": round(tps, 2), "accept_length_mean": round(statistics.mean(r["accept"]), 3)
-                    if r["accept"] else 1.0, "mismatches": r["mismatch"]}
-    # the fastest non-speculative decoding measured: ours, ours in bf16, or HF generate()
-    base = max(table[m]["tokens_per_s"] for m in ("plain", "plain-bf16", "hf") if m in table) or 1e-9
-    print(f"\n{name}: {len(prompts)} prompts, {max_new} new tokens each")
-    print(f"{'method':18s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} {'mismatch':>9s}")
-    for m, r in table.items():
-        r["speedup_vs_plain"] = round(r["tokens_per_s"] / base, 3)
-        print(f"{m:18s} {r['tokens_per_s']:8.2f} {r['speedup_vs_plain']:8.2f} {r['accept_length_mean']:7.2f} "
-              f"{r['mismatches']:9d}")
-    return table
+    for r in rows:
+        table[r.name] = {"mode": r.mode, "tokens_per_s": round(tps[r.name], 2),
+                         "speedup_vs_plain": round(tps[r.name] / max(1e-9, tps[baseline]), 3),
+                         "accept_length_mean": round(statistics.mean(r.accept), 3) if r.accept else 1.0,
+                         "mismatches": r.mismatch_same, "mismatches_vs_exact": r.mismatch_exact}
+    print(f"\n{name}: {len(prompts)} prompts, {max_new} new tokens each; baseline = {baseline} "
+          f"(the fastest plain decoding); mismatches vs plain greedy in the same mode / in {exact_mode}")
+    print(f"{'method':32s} {'tok/s':>7s} {'x base':>7s} {'accept':>7s} {'mism':>5s} {'vs exact':>8s}")
+    for n, r in table.items():
+        vs_exact = "-" if r["mismatches_vs_exact"] is None else str(r["mismatches_vs_exact"])
+        print(f"{n:32s} {r['tokens_per_s']:7.2f} {r['speedup_vs_plain']:7.2f} {r['accept_length_mean']:7.2f} "
+              f"{r['mismatches']:5d} {vs_exact:>8s}")
+    return {"baseline": baseline, "prompts": len(prompts), "rows": table}
+
+
+def head_install(target, loaded, tree: dict) -> tuple[float, str]:
+    """(ms, how): engine.set_head(loaded head) on a running plain engine; without set_head, the time
+    to construct an engine with the head (includes the engine's cost calibration)."""
+    engine = SpeculativeEngine(target, None, engine_config(**tree, calibration_dir=""))
+    set_head = getattr(engine, "set_head", None)
+    if set_head is not None:
+        t0 = time.perf_counter()
+        res = set_head(loaded)
+        wall = (time.perf_counter() - t0) * 1e3
+        if not getattr(res, "ok", True):
+            return float("nan"), f"set_head refused: {getattr(res, 'message', res)}"
+        return round(getattr(res, "install_ms", wall), 2), "engine.set_head(LoadedHead)"
+    t0 = time.perf_counter()
+    SpeculativeEngine(target, loaded.head.to(target.dtype), engine_config(**tree), head_version=loaded.meta.version)
+    return round((time.perf_counter() - t0) * 1e3, 2), "engine construction with the head (no set_head here)"
+
+
+def load_prompts(workload: str, conversations, n: int) -> list | None:
+    if workload == "english":
+        return english_prompts(conversations, n)
+    if workload == "repetitive":
+        return code_rewrite_prompts(conversations, n)
+    try:
+        from bench.workloads import agent_prompts
+    except ImportError as e:
+        print(f"agent workload skipped: bench/workloads.py has no agent_prompts yet ({e})", file=sys.stderr)
+        return None
+    return list(agent_prompts(conversations, n))
+
+
+def _ratio(table: dict | None, row: str, over: str) -> float | None:
+    if table is None:
+        return None
+    rows = table["rows"]
+    return round(rows[row]["tokens_per_s"] / max(1e-9, rows[over]["tokens_per_s"]), 3)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", type=Path, default=SHIPPED)
-    ap.add_argument("--quick", action="store_true", help="3 prompts per set, 48 new tokens")
+    ap.add_argument("--quick", action="store_true", help="2 prompts per workload, 48 new tokens")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--workload", choices=[*WORKLOADS, "all"], action="append",
+                    help="repeatable; default: all three")
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--num-draft-tokens", type=int, default=16)
+    ap.add_argument("--compute", default="auto", help="mode of the speculative rows (default: measured, exact)")
     ap.add_argument("--device", default="auto", help="auto: CUDA when present")
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.max_new = 3, 48
+        args.prompts, args.max_new = min(args.prompts, 2), min(args.max_new, 48)
+    chosen = args.workload or ["all"]
+    workloads = WORKLOADS if "all" in chosen else tuple(w for w in WORKLOADS if w in chosen)
     torch.manual_seed(0)
-    target = load_target(device=args.device)
+    target = load_target(device=args.device, compute=args.compute)
+    default_mode = mode_of(target.compute)
+    modes = available_modes(target.device.type, checkpoint_dtype(target.path), fbgemm_fp16_available())
+    targets = {m: target if m == default_mode else load_target(device=target.device, compute=m) for m in modes}
+    targets.setdefault(default_mode, target)
+    exact_mode = default_mode if is_exact_mode(default_mode) else next(m for m in modes if is_exact_mode(m))
+    print(f"target compute: {target.compute} ({target.lossless}); {target.compute_choice.reason}", file=sys.stderr)
     loaded = load_head(args.head, target, device=target.device)
-    head = loaded.head.to(target.dtype)
+    head = loaded if hasattr(SpeculativeEngine, "set_head") else loaded.head.to(target.dtype)
     tree = dict(depth=args.depth, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
-    plain_bf16 = {}
-    if target.dtype != torch.bfloat16:  # the same checkpoint in bf16, as a second baseline
-        bf16 = load_target(device=args.device, dtype=torch.bfloat16)
-        plain_bf16 = {"plain-bf16": SpeculativeEngine(bf16, None, EngineConfig(prompt_lookup=False))}
-    print(f"target compute: {target.compute}", file=sys.stderr)
-    engines = {
-        "plain": SpeculativeEngine(target, None, EngineConfig(prompt_lookup=False)),
-        **plain_bf16,
-        "chain": SpeculativeEngine(target, head, EngineConfig(depth=args.depth, topk=1, num_draft_tokens=args.depth,
-                                                              prompt_lookup=False), loaded.meta.version),
-        "tree": SpeculativeEngine(target, head, EngineConfig(**tree, prompt_lookup=False), loaded.meta.version),
-        "tree+lookup": SpeculativeEngine(target, head, EngineConfig(**tree, prompt_lookup=True), loaded.meta.version),
-        "tree+lookup-fixed": SpeculativeEngine(target, head, EngineConfig(**tree, prompt_lookup=True, cost_aware=False),
-                                               loaded.meta.version),
-    }
-    spec = {k: v for k, v in engines.items() if k != "plain"}
-    conversations = list(D.load_sharegpt())  # parsed once for both prompt sets
+    install_ms, install_how = head_install(target, loaded, tree)
+    conversations = list(D.load_sharegpt())  # parsed once for every workload
+    encoder = SpeculativeEngine(target, None, engine_config(prompt_lookup=False, suffix_drafting=False,
+                                                            cost_aware=False, calibration_dir=""))
+    results = {}
     with torch.inference_mode():
-        eng = run_set("english", english_prompts(conversations, args.prompts), target, {**spec, "plain": engines["plain"]}, args.max_new)
-        rep = run_set("repetitive", code_rewrite_prompts(conversations, args.prompts), target, {**spec, "plain": engines["plain"]},
-                      args.max_new)
-    best = eng["tree+lookup"]
+        for w in workloads:
+            prompts = load_prompts(w, conversations, args.prompts)
+            if not prompts:
+                results[w] = None
+                continue
+            rows = build_rows(w, targets, default_mode, head, loaded.meta.version, tree)
+            results[w] = run_set(w, prompts, rows, encoder.encode, exact_mode, args.max_new)
+    eng, rep, agent = (results.get(w) for w in WORKLOADS)
+    spec = [r for t in results.values() if t for n, r in t["rows"].items()
+            if n in ("chain", "tree", DEFAULT_ROW, f"{DEFAULT_ROW}-fixed")]
     figures = {
-        "speedup_vs_plain": best["speedup_vs_plain"],
-        "speedup_vs_prompt_lookup": round(best["tokens_per_s"] / max(1e-9, eng["hf-lookup"]["tokens_per_s"]), 3),
-        "accept_length_mean": best["accept_length_mean"],
-        "repetitive_speedup_vs_plain": rep["tree+lookup"]["speedup_vs_plain"],
-        "repetitive_speedup_vs_prompt_lookup": round(
-            rep["tree+lookup"]["tokens_per_s"] / max(1e-9, rep["hf-lookup"]["tokens_per_s"]), 3),
-        "english": eng, "repetitive": rep, "head": loaded.meta.version, "quick": args.quick,
-        "compute": target.compute, "verify_cost_ms": {q: round(v, 1) for q, v in sorted(
-            engines["tree+lookup"].verify_cost.points.items()) if q in (1, 2, 4, 8, 16, 17)},
+        "speedup_vs_plain": eng and eng["rows"][DEFAULT_ROW]["speedup_vs_plain"],
+        "baseline": eng and eng["baseline"],
+        "mismatches": sum(r["mismatches"] for r in spec),
+        "speedup_vs_prompt_lookup": _ratio(eng, DEFAULT_ROW, "hf-prompt-lookup"),
+        "accept_length_mean": eng and eng["rows"][DEFAULT_ROW]["accept_length_mean"],
+        "repetitive_speedup_vs_plain": rep and rep["rows"][DEFAULT_ROW]["speedup_vs_plain"],
+        "repetitive_speedup_vs_prompt_lookup": _ratio(rep, DEFAULT_ROW, "hf-prompt-lookup"),
+        "agent_speedup_vs_plain": agent and agent["rows"][DEFAULT_ROW]["speedup_vs_plain"],
+        "agent_speedup_vs_prompt_lookup": _ratio(agent, DEFAULT_ROW, "hf-prompt-lookup"),
+        "head_install_ms": install_ms, "head_install_measures": install_how,
+        "compute": target.compute, "lossless": target.lossless, "compute_choice": target.compute_choice.reason,
+        "forward_ms": target.compute_choice.table and {
+            m: {q: round(ms, 2) for q, ms in r.items()} for m, r in target.compute_choice.table.forward_ms.items()},
+        "modes": list(targets), "head": loaded.meta.version, "quick": args.quick,
+        "prompts": args.prompts, "max_new": args.max_new, **{w: results.get(w) for w in WORKLOADS},
     }
     print(json.dumps(figures))
 
