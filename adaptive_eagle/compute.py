@@ -383,12 +383,13 @@ def write_table(path: Path, table: ComputeTable) -> None:
 
 
 def cached_table(folder: Path, make_model: Callable[[str], torch.nn.Module], modes: Sequence[str], machine: str,
-                 fingerprint: str, reps: int = 3) -> tuple[ComputeTable, str, tuple[str, ...]]:
+                 fingerprint: str, reps: int = 3, refresh: bool = False) -> tuple[ComputeTable, str, tuple[str, ...]]:
     """(table, "cache" | "measured", notes): the table cached in `folder` for this machine and target,
-    or a fresh measurement written there (a missing or unusable file is re-measured; notes say why)."""
+    or a fresh measurement written there (a missing or unusable file is re-measured; notes say why;
+    refresh=True measures again whatever is cached)."""
     path = Path(folder) / f"{table_key(machine, fingerprint)}.json"
     notes: tuple[str, ...] = ()
-    if path.exists():
+    if path.exists() and not refresh:
         try:
             return read_table(path, machine, fingerprint, modes), "cache", ()
         except ComputeTableError as e:

@@ -407,12 +407,13 @@ def choose_compute(path: Path, device: torch.device, *, compute: str = "auto", d
     return C.ComputeChoice(best, reason, source, table, purpose, notes)
 
 
-def describe_compute(target: Target, measure: bool = False) -> dict:
+def describe_compute(target: Target, measure: bool = False, refresh: bool = False) -> dict:
     """The target's compute mode, its exactness label, why it was chosen and the measured table
     (per mode: forward ms by size, plain and predicted speculative tokens/ms, best tree size).
-    measure=True times the modes now when no table backs the choice (a real checkpoint only)."""
+    measure=True times the modes now when no table backs the choice; refresh=True re-times them and
+    replaces the cached table (real checkpoints only; the loaded target keeps its mode)."""
     choice = target.compute_choice
-    table = choice.table if choice else None
+    table = None if refresh else choice.table if choice else None
     notes = list(choice.notes) if choice else []
     real = not target.fingerprint.startswith("tiny:") and (Path(target.path) / "config.json").exists()
     if table is None and real:
@@ -420,9 +421,9 @@ def describe_compute(target: Target, measure: bool = False) -> dict:
 
         modes = C.available_modes(target.device.type, checkpoint_dtype(target.path), fbgemm_fp16_available())
         machine, folder = C.machine_key(target.device), cache_dir() / "compute"
-        if measure:
+        if measure or refresh:
             table, _, more = C.cached_table(folder, lambda m: build_model(target.path, m, target.device), modes,
-                                            machine, target.fingerprint)
+                                            machine, target.fingerprint, refresh=refresh)
             notes += more
         else:
             try:

@@ -121,6 +121,8 @@ def test_table_is_measured_once_then_read_from_the_cache(tmp_path, tiny_models):
     assert set(t1.forward_ms) == {"bf16", "fp32"} and all(set(r) == set(SIZES) for r in t1.forward_ms.values())
     t2, source, _ = C.cached_table(tmp_path, make, ("bf16", "fp32"), "cpu:test", "fp:tiny", reps=1)
     assert source == "cache" and calls == ["bf16", "fp32"] and t2 == t1
+    _, source, _ = C.cached_table(tmp_path, make, ("bf16", "fp32"), "cpu:test", "fp:tiny", reps=1, refresh=True)
+    assert source == "measured" and len(calls) == 4 and len(list(tmp_path.iterdir())) == 1
     # another target, machine or torch version has its own key
     assert C.table_key("cpu:test", "fp:other") != C.table_key("cpu:test", "fp:tiny")
     assert C.table_key("cpu:test", "fp:tiny", "0.0") != C.table_key("cpu:test", "fp:tiny")
