@@ -55,33 +55,62 @@ class VerifyCost:
 
 # draft path-probability buckets for acceptance calibration
 _EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0 + 1e-9)
+CALIBRATION_FORMAT = 1
+
+
+def _bucket(p: float) -> int:
+    return min(len(_EDGES) - 2, max(0, bisect.bisect_right(_EDGES, p) - 1))
 
 
 @dataclass
-class AcceptCalibration:
-    """P(a node is accepted | the draft's path probability), per probability bucket, from what the
-    target accepted so far; starts from the draft's own probability (a prior worth `prior` nodes).
-    Lookup tokens: P(the lookup token at depth d is accepted | the one before it was), per depth:
-    copying comes in runs, so deep tokens of a chain that got that far are likelier than the first."""
+class BucketCalibration:
+    """P(a node is accepted | its proposer's path probability), per probability bucket, from what the
+    target accepted so far; starts from the proposer's own probability (a prior worth `prior` nodes)."""
 
     prior: float = 4.0
     offered: list[float] = field(default_factory=lambda: [0.0] * (len(_EDGES) - 1))
     accepted: list[float] = field(default_factory=lambda: [0.0] * (len(_EDGES) - 1))
+
+    def __call__(self, path_probs: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(path_probs, dtype=torch.float32)
+        for i, p in enumerate(path_probs.tolist()):
+            b = _bucket(p)
+            mid = (_EDGES[b] + min(1.0, _EDGES[b + 1])) / 2
+            out[i] = (self.accepted[b] + self.prior * mid) / (self.offered[b] + self.prior)
+        return out
+
+    def observe(self, path_probs: list[float], accepted: list[bool]) -> None:
+        for p, ok in zip(path_probs, accepted):
+            b = _bucket(p)
+            self.offered[b] += 1
+            self.accepted[b] += ok
+
+    @property
+    def observations(self) -> float:
+        return sum(self.offered)
+
+
+@dataclass
+class AcceptCalibration:
+    """How often drafted nodes are accepted, per proposer, learned from what the target accepted.
+
+    - EAGLE nodes and cross-request suffix nodes: by the proposer's path probability (buckets).
+    - Prompt-lookup tokens: P(the lookup token at depth d is accepted | the one before it was), per
+      depth: copying comes in runs, so deep tokens of a chain that got that far are likelier than the
+      first.
+    It belongs to (head version, target, compute mode): it travels with the head (binding.py)."""
+
+    eagle_buckets: BucketCalibration = field(default_factory=BucketCalibration)
+    suffix_buckets: BucketCalibration = field(default_factory=BucketCalibration)
     lookup_hits: list[float] = field(default_factory=list)  # per depth (index 0 = depth 1)
     lookup_tries: list[float] = field(default_factory=list)
     lookup_prior: tuple[float, float] = (1.0, 2.0)  # 1 hit in 2 tries
 
-    @staticmethod
-    def _bucket(p: float) -> int:
-        return min(len(_EDGES) - 2, max(0, bisect.bisect_right(_EDGES, p) - 1))
-
     def eagle(self, path_probs: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(path_probs, dtype=torch.float32)
-        for i, p in enumerate(path_probs.tolist()):
-            b = self._bucket(p)
-            mid = (_EDGES[b] + min(1.0, _EDGES[b + 1])) / 2
-            out[i] = (self.accepted[b] + self.prior * mid) / (self.offered[b] + self.prior)
-        return out
+        return self.eagle_buckets(path_probs)
+
+    def suffix(self, path_probs: torch.Tensor) -> torch.Tensor:
+        return self.suffix_buckets(path_probs)
 
     def lookup(self, depth: int) -> float:
         """P(the first `depth` lookup tokens are all accepted)."""
@@ -98,10 +127,10 @@ class AcceptCalibration:
         return p
 
     def observe_eagle(self, path_probs: list[float], accepted: list[bool]) -> None:
-        for p, ok in zip(path_probs, accepted):
-            b = self._bucket(p)
-            self.offered[b] += 1
-            self.accepted[b] += ok
+        self.eagle_buckets.observe(path_probs, accepted)
+
+    def observe_suffix(self, path_probs: list[float], accepted: list[bool]) -> None:
+        self.suffix_buckets.observe(path_probs, accepted)
 
     def observe_lookup(self, offered: int, accepted: int) -> None:
         """`accepted` leading lookup tokens were taken out of `offered`: that many successes, plus one
@@ -113,6 +142,45 @@ class AcceptCalibration:
         for j in range(tried):
             self.lookup_tries[j] += 1
             self.lookup_hits[j] += j < accepted
+
+    @property
+    def observations(self) -> float:
+        return self.eagle_buckets.observations + self.suffix_buckets.observations + sum(self.lookup_tries)
+
+    # ---- persistence (plain JSON-able dicts; binding.py stores them) ----------------------------
+    def to_dict(self) -> dict:
+        return {"format": CALIBRATION_FORMAT, "edges": [round(e, 6) for e in _EDGES],
+                "eagle": {"offered": self.eagle_buckets.offered, "accepted": self.eagle_buckets.accepted},
+                "suffix": {"offered": self.suffix_buckets.offered, "accepted": self.suffix_buckets.accepted},
+                "lookup": {"hits": self.lookup_hits, "tries": self.lookup_tries}}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "AcceptCalibration":
+        """Raises ValueError naming the field when `raw` is not a calibration this code wrote."""
+        if not isinstance(raw, dict) or raw.get("format") != CALIBRATION_FORMAT:
+            raise ValueError(f"calibration.format: expected {CALIBRATION_FORMAT}, got "
+                             f"{raw.get('format') if isinstance(raw, dict) else type(raw).__name__}")
+        if raw.get("edges") != [round(e, 6) for e in _EDGES]:
+            raise ValueError("calibration.edges: written with other probability buckets")
+
+        def counts(path: str, values, length: int | None) -> list[float]:
+            if not isinstance(values, list) or (length is not None and len(values) != length) or not all(
+                    isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in values):
+                raise ValueError(f"calibration.{path}: expected {length or 'a list of'} finite counts >= 0")
+            return [float(v) for v in values]
+
+        n = len(_EDGES) - 1
+        out = cls()
+        for name, table in (("eagle", out.eagle_buckets), ("suffix", out.suffix_buckets)):
+            part = raw.get(name) or {}
+            table.offered = counts(f"{name}.offered", part.get("offered"), n)
+            table.accepted = counts(f"{name}.accepted", part.get("accepted"), n)
+            if any(a > o for a, o in zip(table.accepted, table.offered)):
+                raise ValueError(f"calibration.{name}: more accepted than offered")
+        lk = raw.get("lookup") or {}
+        out.lookup_hits = counts("lookup.hits", lk.get("hits"), None)
+        out.lookup_tries = counts("lookup.tries", lk.get("tries"), len(out.lookup_hits))
+        return out
 
 
 def best_prefix(accept: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, verify_ms, draft_ms: float

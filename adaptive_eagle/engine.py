@@ -9,6 +9,10 @@ Positions. After a step, the target cache holds every committed token except the
 bonus token, the tree's root). The head at position t reads (target aux feature of t, token t+1),
 so its cache holds one entry per committed position whose feature is known; a draft node at depth
 d sits at root_position - 1 + d in the head and at root_position + d in the target.
+
+Head binding. A request reads the engine's `HeadBinding` (head, version, calibration) once, when it
+starts, and finishes on it; `set_head` prepares a new head off the decode path and flips the
+binding for the requests that start after it (binding.py).
 """
 
 from __future__ import annotations
@@ -17,21 +21,24 @@ import inspect
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from adaptive_eagle.costmodel import AcceptCalibration, VerifyCost, best_prefix, min_useful_prob
+from adaptive_eagle.binding import (CalibrationStore, HeadBinding, HeadRefused, SwapResult, make_binding)
+from adaptive_eagle.costmodel import VerifyCost, best_prefix, min_useful_prob
 from adaptive_eagle.draft_head import DraftKVCache, Eagle3DraftHead
-from adaptive_eagle.targets import Target
-from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
 from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
+from adaptive_eagle.suffix_index import SuffixIndex, SuffixIndexConfig
+from adaptive_eagle.targets import Target, cache_dir
+from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
 from adaptive_eagle.tree import (DraftTree, build_tree, chain_tree, merge_trees, subset_tree, tree_attention_mask,
                                  tree_position_ids)
 from adaptive_eagle.verify import VerifyResult, sampling_probs, verify_greedy, verify_sampling
 
-LOOKUP_SURE = 0.8  # calibrated acceptance of the first lookup token above which the head does not expand
+LOOKUP_SURE = 0.8  # calibrated acceptance of a model-free first token above which the head does not expand
 EMPTY_TREE = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)), torch.zeros(0), torch.zeros(0))
 
 
@@ -51,12 +58,24 @@ class EngineConfig:
     # verify only the part of each tree that pays for itself on this machine (costmodel.py): the
     # target's forward cost by size is measured when the engine starts and followed online
     cost_aware: bool = True
+    # merge continuations of recently served outputs (cross-request suffix index, same tenant when
+    # the index isolates tenants); the index is updated when a request finishes
+    suffix_drafting: bool = True
+    # where acceptance calibrations persist per (head version, target, compute mode); None: the
+    # cache dir's calibration/; "" disables persistence
+    calibration_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.topk < 1 or self.num_draft_tokens < 1:
             raise ValueError("depth, topk and num_draft_tokens must be >= 1")
         if self.lookup_max_tokens < 0 or self.lookup_min_ngram < 1:
             raise ValueError("lookup_max_tokens must be >= 0 and lookup_min_ngram >= 1")
+
+
+    @classmethod
+    def plain(cls) -> "EngineConfig":
+        """Plain decoding: no drafting of any kind (for baselines)."""
+        return cls(prompt_lookup=False, suffix_drafting=False)
 
 
 @dataclass
@@ -67,6 +86,9 @@ class GenerationResult:
     trace: TraceRecord
     elapsed_s: float
     steps: list[VerifyStep] = field(default_factory=list)
+    head_version: str | None = None  # the head this request was bound to (None: plain decoding)
+    compute: str = ""  # how the target ran, e.g. "float32+fp16-weights"
+    lossless: str = "exact"  # "exact" or "lossless up to bf16 rounding"
 
     @property
     def accept_length_mean(self) -> float:
@@ -82,16 +104,37 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
 
 
+@dataclass(frozen=True)
+class HeadRoot:
+    """The head's output at the newest fed position: what the next draft tree grows from."""
+
+    hidden: torch.Tensor  # [H] pre-norm output hidden
+    logprobs: torch.Tensor  # [draft_vocab] log-probs of the root's children
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One step's draft tree and which source proposed each path (for acceptance bookkeeping)."""
+
+    tree: DraftTree
+    eagle_paths: frozenset = frozenset()  # token paths the draft head proposed
+    lookup: tuple[int, ...] = ()  # the prompt-lookup chain as offered (a prefix of the tree's paths)
+    suffix: dict = field(default_factory=dict)  # token path -> empirical probability (suffix index)
+
+    def offered(self) -> dict[str, int]:
+        return {"eagle": len(self.eagle_paths), "lookup": len(self.lookup), "suffix": len(self.suffix)}
+
+
 class _HeadFeed:
     """The draft head's view of one request: its KV cache plus committed positions not yet fed
     (tokens and target features), fed in one head call when the head next drafts."""
 
-    def __init__(self, engine: "SpeculativeEngine", cache: DraftKVCache) -> None:
-        self.engine, self.cache = engine, cache
+    def __init__(self, engine: "SpeculativeEngine", head: Eagle3DraftHead, cache: DraftKVCache) -> None:
+        self.engine, self.head, self.cache = engine, head, cache
         self.tokens: list[int] = []
         self.aux: list[torch.Tensor] = []
         self.start = 0
-        self.last: tuple | None = None  # (root hidden, root log-probs) after the last feed
+        self.last: HeadRoot | None = None
 
     def add(self, tokens: list[int], aux: torch.Tensor, start_pos: int) -> None:
         if not self.tokens:
@@ -99,46 +142,85 @@ class _HeadFeed:
         self.tokens += tokens
         self.aux.append(aux)
 
-    def root(self) -> tuple:
+    def root(self) -> HeadRoot:
         if self.tokens:
-            self.last = self.engine._head_extend(self.cache, self.tokens, torch.cat(self.aux), self.start)
+            self.last = self.engine._head_extend(self.head, self.cache, self.tokens, torch.cat(self.aux), self.start)
             self.tokens, self.aux = [], []
         return self.last
 
 
 class SpeculativeEngine:
-    def __init__(self, target: Target, head: Eagle3DraftHead | None = None, config: EngineConfig | None = None,
-                 head_version: str | None = None) -> None:
-        self.target, self.head, self.config = target, head, config or EngineConfig()
-        self.head_version = head_version if head is not None else None
+    def __init__(self, target: Target, head=None, config: EngineConfig | None = None,
+                 head_version: str | None = None, suffix_index: SuffixIndex | None = None) -> None:
+        """head: an Eagle3DraftHead, a checkpoint.LoadedHead (its version and head.json calibration
+        are used), or None for plain decoding. Raises GenerationError for a head that does not fit."""
+        self.target, self.config = target, config or EngineConfig()
         self.device = target.device
-        if head is not None:
-            c = head.cfg
-            if c.vocab_size != target.config.vocab_size or c.target_hidden_size != target.config.hidden_size:
-                raise GenerationError(
-                    f"head was built for a target with vocab {c.vocab_size} / hidden {c.target_hidden_size}; this "
-                    f"target has vocab {target.config.vocab_size} / hidden {target.config.hidden_size}")
-            if tuple(c.aux_layer_ids) != tuple(target.aux_layer_ids):
-                raise GenerationError(f"head aux layers {c.aux_layer_ids} != target aux layers {target.aux_layer_ids}")
-            self.head = head.to(self.device).eval()
-            if target.compute.endswith("fp16-weights"):  # the target's fast CPU path: the head takes it too
-                import copy
-
-                from adaptive_eagle.cpu_linear import pack_linears
-
-                self.head = copy.deepcopy(self.head).float()
-                pack_linears(self.head)
+        root = self.config.calibration_dir
+        self.calibrations = CalibrationStore(None if root == "" else Path(root) if root else cache_dir() / "calibration")
+        self.suffix_index = (suffix_index or SuffixIndex(SuffixIndexConfig())) if self.config.suffix_drafting else None
         self._cache_kw = _cache_kwarg(target.model)
-        self.verify_cost, self.calibration = VerifyCost(), AcceptCalibration()
+        self.verify_cost = VerifyCost()
         self.overhead_ms = 0.0  # moving average of a step's time outside the verify forward (drafting, upkeep)
         self.rate = float("nan")  # moving average of committed tokens per ms
-        if self.config.cost_aware and (head is not None or self.config.prompt_lookup):
+        head, version, metrics = _unpack_head(head, head_version)
+        try:
+            self._binding = make_binding(head, version, target, self.calibrations, metrics)
+        except HeadRefused as e:
+            raise GenerationError(str(e)) from None
+        if self._needs_costs(self._binding):
             self.calibrate()
         eos = getattr(target.model.generation_config, "eos_token_id", None) or target.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         tok = target.tokenizer
         if tok is not None and tok.eos_token is not None:
             self.eos_ids.add(tok.convert_tokens_to_ids(tok.eos_token))
+
+    # ---- the head binding -------------------------------------------------------------------------
+    @property
+    def binding(self) -> HeadBinding:
+        return self._binding
+
+    @property
+    def head(self) -> Eagle3DraftHead | None:
+        return self._binding.head
+
+    @property
+    def head_version(self) -> str | None:
+        return self._binding.version
+
+    @property
+    def calibration(self):
+        return self._binding.calibration
+
+    def set_head(self, head, version: str | None = None) -> SwapResult:
+        """Hot swap: validate and prepare `head` (Eagle3DraftHead, LoadedHead or None = plain decoding)
+        on the caller's thread, then flip the binding. Requests in flight finish on the head they
+        started with; requests that start later use the new one. A refused head changes nothing."""
+        t0 = time.perf_counter()
+        head, version, metrics = _unpack_head(head, version)
+        try:
+            binding = make_binding(head, version, self.target, self.calibrations, metrics)
+        except HeadRefused as e:
+            ms = (time.perf_counter() - t0) * 1e3
+            return SwapResult(False, f"refused {version or 'head'}: {e}; {self.head_version or 'plain decoding'} "
+                                     "keeps serving", self.head_version, ms)
+        if self._needs_costs(binding) and not self.verify_cost.points:
+            self.calibrate()
+        old, self._binding = self._binding, binding  # the flip: one reference assignment
+        self.calibrations.save(old, self.target.fingerprint, force=True)
+        ms = (time.perf_counter() - t0) * 1e3
+        what = f"head {version}" if head is not None else "plain decoding"
+        return SwapResult(True, f"{what} serving (calibration from {binding.calibration_source}); in-flight "
+                                f"requests finish on {old.version or 'plain decoding'}", version, ms)
+
+    def save_calibration(self) -> bool:
+        """Persist the bound head's acceptance calibration now (also done as requests finish)."""
+        return self.calibrations.save(self._binding, self.target.fingerprint, force=True)
+
+    def _needs_costs(self, binding: HeadBinding) -> bool:
+        cfg = self.config
+        return cfg.cost_aware and (binding.head is not None or cfg.prompt_lookup or cfg.suffix_drafting)
 
     # ---- inputs ---------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -165,7 +247,7 @@ class SpeculativeEngine:
         limit = self.target.config.max_position_embeddings
         if n_prompt >= limit:
             raise GenerationError(f"prompt has {n_prompt} tokens; the target's context is {limit}")
-        lookahead = max(self.config.depth, self.config.lookup_max_tokens if self.config.prompt_lookup else 0) + 1
+        lookahead = self.config.num_draft_tokens + 1  # no draft path is longer than the tree's node budget
         if n_prompt + sampling.max_tokens + lookahead > limit:
             raise GenerationError(
                 f"prompt ({n_prompt}) + max_tokens ({sampling.max_tokens}) exceeds the context ({limit})")
@@ -178,7 +260,7 @@ class SpeculativeEngine:
         from transformers import DynamicCache
 
         cfg = self.config
-        top = max(cfg.num_draft_tokens, cfg.lookup_max_tokens if cfg.prompt_lookup else 0) + 1
+        top = cfg.num_draft_tokens + 1
         sizes = sorted({1, top} | {q for q in (2, 4, 8, 16, 32, 64) if q < top})
         vocab = self.target.config.vocab_size
         prefix = max(1, min(prefix, self.target.config.max_position_embeddings - top - 1))
@@ -220,15 +302,22 @@ class SpeculativeEngine:
         self._sync()
         return time.perf_counter()
 
-    def _accept_estimates(self, tree: DraftTree, eagle_paths: set, lookup: list[int]) -> torch.Tensor:
-        """[N] estimated acceptance of each node from the calibrated draft path probability (EAGLE
-        nodes) and the measured per-token lookup acceptance (nodes on the lookup chain)."""
-        eagle = self.calibration.eagle(tree.scores.exp()) if eagle_paths else torch.zeros(tree.size)
+    def _accept_estimates(self, binding: HeadBinding, p: Proposal) -> torch.Tensor:
+        """[N] estimated acceptance of each node: the best of its sources' calibrated estimates (the
+        draft's path probability for EAGLE nodes, the index's empirical probability for suffix
+        nodes, the measured per-depth rate for the lookup chain)."""
+        cal, tree = binding.calibration, p.tree
+        eagle = cal.eagle(tree.scores.exp()) if p.eagle_paths else None
+        suffix_paths = [path for path in tree.token_paths if path in p.suffix]
+        suffix = dict(zip(suffix_paths, cal.suffix(torch.tensor([p.suffix[q] for q in suffix_paths])).tolist())) \
+            if suffix_paths else {}
+        lookup = list(p.lookup)
         est = torch.zeros(tree.size)
         for i, path in enumerate(tree.token_paths):
-            a = float(eagle[i]) if path in eagle_paths else 0.0
+            a = float(eagle[i]) if eagle is not None and path in p.eagle_paths else 0.0
+            a = max(a, suffix.get(path, 0.0))
             if lookup[: len(path)] == list(path):
-                a = max(a, self.calibration.lookup(len(path)))
+                a = max(a, cal.lookup(len(path)))
             est[i] = a
         return est
 
@@ -259,121 +348,137 @@ class SpeculativeEngine:
             layer.values = layer.values.index_select(-2, keep)
 
     # ---- draft head -----------------------------------------------------------------------------
-    def _head_extend(self, hcache: DraftKVCache, tokens: list[int], aux: torch.Tensor, start_pos: int) -> tuple:
+    def _head_extend(self, head: Eagle3DraftHead, hcache: DraftKVCache, tokens: list[int], aux: torch.Tensor,
+                     start_pos: int) -> HeadRoot:
         """Feed committed positions start_pos.. (aux features + next tokens) to the head; returns the
-        last position's output hidden [H] and draft-vocab log-probs [Vd]."""
-        head = self.head
+        last position's output hidden and draft-vocab log-probs."""
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(start_pos, start_pos + len(tokens), device=self.device)[None]
         last = torch.zeros(1, len(tokens), dtype=torch.bool, device=self.device)
         last[0, -1] = True  # only the newest position drafts: no LM head over the rest (e.g. the prompt)
         out = head.step(ids, aux[None].to(head.dtype), pos, hcache.attend_fn(), logits_rows=last)
-        return out.hidden[0, -1], torch.log_softmax(out.logits[-1].float(), -1)
+        return HeadRoot(out.hidden[0, -1], torch.log_softmax(out.logits[-1].float(), -1))
 
-    def _draft(self, hcache: DraftKVCache, root_hidden, root_logprobs, root_pos: int, budget: int,
-               min_path_prob: float, depth: int) -> DraftTree:
+    def _draft(self, head: Eagle3DraftHead, hcache: DraftKVCache, root: HeadRoot, root_pos: int, budget: int,
+               min_path_prob: float) -> DraftTree:
         """Build the dynamic tree with the head; leaves the head cache as it found it."""
-        head, cfg = self.head, self.config
+        cfg = self.config
         committed = hcache.length
-        slot: dict[int, int] = {}  # candidate id -> head cache row
-        hidden: dict[int, torch.Tensor] = {-1: root_hidden}  # candidate id -> its output hidden
+        hidden: dict[int, torch.Tensor] = {-1: root.hidden}  # candidate id -> its output hidden
         ancestors: dict[int, list[int]] = {-1: []}  # candidate id -> cache rows of itself + ancestors
         d2t = head.draft_to_target
 
         def expand(tokens, node_ids, parent_ids):
             k = tokens.numel()
-            draft_tok = tokens  # draft ids while building; mapped to target ids below
             hid = torch.stack([hidden[int(p)] for p in parent_ids])[None]  # [1, k, H]
             depth = len(ancestors[int(parent_ids[0])]) + 1
             pos = torch.full((1, k), root_pos - 1 + depth, device=self.device)
-            total = hcache.length + k
-            mask = torch.full((1, 1, k, total), float("-inf"), device=self.device)
+            mask = torch.full((1, 1, k, hcache.length + k), float("-inf"), device=self.device)
             mask[..., :committed] = 0
             for r, (n, p) in enumerate(zip(node_ids.tolist(), parent_ids.tolist())):
                 rows = ancestors[p] + [hcache.length + r]
                 mask[0, 0, r, rows] = 0
-                slot[n] = hcache.length + r
                 ancestors[n] = rows
-            out = head.step(d2t[draft_tok][None], hid, pos, hcache.attend_fn(mask), logits_rows=True)
+            out = head.step(d2t[tokens][None], hid, pos, hcache.attend_fn(mask), logits_rows=True)
             for r, n in enumerate(node_ids.tolist()):
                 hidden[n] = out.hidden[0, r]
             return torch.log_softmax(out.logits[0].float(), -1)
 
         min_score = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
-        tree = build_tree(root_logprobs, expand, depth, cfg.topk, budget, min_score)
+        tree = build_tree(root.logprobs, expand, cfg.depth, cfg.topk, budget, min_score)
         hcache.crop(committed)
         return DraftTree(d2t[tree.tokens], tree.parents, tree.depths, tree.scores, tree.logprobs)
 
-    # ---- proposals: EAGLE tree + model-free chain ------------------------------------------------
-    def _propose(self, context: list[int], feed: "_HeadFeed | None", root_pos: int, split: BudgetSplit):
-        """The draft tree for this step and, per node, whether the EAGLE tree / the lookup chain
-        proposed it: (tree, (eagle_paths, lookup_tokens))."""
+    # ---- proposals: EAGLE tree + model-free drafts ------------------------------------------------
+    def _model_free(self, context: list[int], tenant: str) -> tuple[list[int], DraftTree | None]:
+        """The prompt-lookup chain (request's own context) and the suffix-index tree (recent outputs)."""
         cfg = self.config
-        budget = cfg.num_draft_tokens
         cont = []
         if cfg.prompt_lookup and cfg.lookup_max_tokens:
-            cont = suffix_match_continuation(context, min(cfg.lookup_max_tokens, budget), cfg.lookup_min_ngram)
-        # when the lookup chain is a safe bet (the request is copying), the head would rarely add a
-        # token: verify the chain alone and leave the head's features pending (fed in one call later)
-        sure = cfg.cost_aware and len(cont) >= 2 and self.calibration.lookup(1) >= LOOKUP_SURE
-        if feed is None or sure:
-            tree, sources = (chain_tree(cont) if cont else EMPTY_TREE), (set(), cont)
-        else:
-            n_lookup = split.lookup_nodes(budget, len(cont))
+            cont = suffix_match_continuation(context, min(cfg.lookup_max_tokens, cfg.num_draft_tokens),
+                                             cfg.lookup_min_ngram)
+        suffix = None
+        if self.suffix_index is not None:
+            suffix = self.suffix_index.propose(context, cfg.num_draft_tokens, tenant)
+            if suffix is not None and suffix.size == 0:
+                suffix = None
+        return cont, suffix
+
+    def _propose(self, binding: HeadBinding, context: list[int], feed: "_HeadFeed | None", root_pos: int,
+                 split: BudgetSplit, tenant: str) -> Proposal:
+        """This step's draft tree: the head's dynamic tree, the lookup chain and the suffix-index tree
+        merged, their node budget split by measured acceptance; then (cost-aware) the part that pays."""
+        cfg, cal = self.config, binding.calibration
+        budget = cfg.num_draft_tokens
+        cont, suffix = self._model_free(context, tenant)
+        # when a model-free draft is a safe bet (the request is copying, or repeating a served
+        # output), the head would rarely add a token: verify those drafts alone and leave the head's
+        # features pending (fed in one call later)
+        sure = cfg.cost_aware and (
+            (len(cont) >= 2 and cal.lookup(1) >= LOOKUP_SURE)
+            or (suffix is not None and float(cal.suffix(suffix.scores[:1].exp())[0]) >= LOOKUP_SURE))
+        alloc = split.allocate(budget, {"lookup": len(cont), "suffix": suffix.size if suffix is not None else 0})
+        if feed is not None and not sure:
             min_prob = cfg.min_path_prob
             if cfg.cost_aware:  # 0 until a rate has been measured
                 min_prob = max(min_prob, min_useful_prob(self.verify_cost, budget, self.rate))
-            root_hidden, root_lp = feed.root()
-            eagle = self._draft(feed.cache, root_hidden, root_lp, root_pos, max(1, budget - n_lookup), min_prob,
-                                cfg.depth)
-            eagle_paths = set(eagle.token_paths)
-            lookup = cont[:n_lookup]
-            tree = merge_trees(eagle, chain_tree(lookup), budget) if lookup else eagle
-            sources = (eagle_paths, lookup)
+            tree = self._draft(binding.head, feed.cache, feed.root(), root_pos, alloc["eagle"], min_prob)
+            eagle_paths = frozenset(tree.token_paths)
+        else:
+            tree, eagle_paths = EMPTY_TREE, frozenset()
+            alloc = {"lookup": len(cont), "suffix": budget}
+        lookup = cont[: alloc.get("lookup", 0)]
+        if lookup:
+            tree = merge_trees(tree, chain_tree(lookup), budget) if tree.size else chain_tree(lookup)
+        suffix_probs = {}
+        if suffix is not None and alloc.get("suffix", 0):
+            part = subset_tree(suffix, list(range(min(suffix.size, alloc["suffix"]))))
+            suffix_probs = dict(zip(part.token_paths, part.scores.exp().tolist()))
+            tree = merge_trees(tree, part, budget) if tree.size else part
+        p = Proposal(tree, eagle_paths, tuple(lookup), suffix_probs)
         if cfg.cost_aware and tree.size:
-            est = self._accept_estimates(tree, *sources)
-            keep = best_prefix(est, tree.parents, tree.depths, self.verify_cost, self.overhead_ms)
+            keep = best_prefix(self._accept_estimates(binding, p), tree.parents, tree.depths, self.verify_cost,
+                               self.overhead_ms)
             if len(keep) < tree.size:
-                tree = subset_tree(tree, keep)
-                kept = set(tree.token_paths)
-                lookup = sources[1]
-                n = 0
-                while n < len(lookup) and tuple(lookup[: n + 1]) in kept:
-                    n += 1
-                sources = (sources[0], lookup[:n])
-        return tree, sources
+                p = _restrict(p, subset_tree(tree, keep))
+        return p
 
-    def _account(self, split: BudgetSplit, tree: DraftTree, sources, res: VerifyResult) -> None:
+    def _account(self, binding: HeadBinding, split: BudgetSplit, p: Proposal, res: VerifyResult) -> None:
         """What each source got accepted: feeds the budget split and (cost-aware) the calibration."""
-        eagle_paths, lookup = sources
-        accepted = list(res.tokens[: res.accept_length])
+        accepted = tuple(res.tokens[: res.accept_length])
+        prefixes = [accepted[:k] for k in range(1, len(accepted) + 1)]
         by_lookup = 0
-        while by_lookup < min(len(lookup), len(accepted)) and lookup[by_lookup] == accepted[by_lookup]:
+        while by_lookup < min(len(p.lookup), len(accepted)) and p.lookup[by_lookup] == accepted[by_lookup]:
             by_lookup += 1
-        by_eagle = sum(1 for k in range(1, len(accepted) + 1) if tuple(accepted[:k]) in eagle_paths)
-        split.update(len(lookup), by_lookup, len(eagle_paths), by_eagle)
-        if self.config.cost_aware and tree.size:
-            taken = set(res.accepted_nodes)
-            eagle_nodes = [i for i, path in enumerate(tree.token_paths) if path in eagle_paths]
-            self.calibration.observe_eagle([math.exp(float(tree.scores[i])) for i in eagle_nodes],
-                                           [i in taken for i in eagle_nodes])
-            self.calibration.observe_lookup(len(lookup), by_lookup)
+        got = {"eagle": sum(q in p.eagle_paths for q in prefixes), "lookup": by_lookup,
+               "suffix": sum(q in p.suffix for q in prefixes)}
+        split.update(p.offered(), got)
+        if self.config.cost_aware and p.tree.size:
+            cal, taken = binding.calibration, set(res.accepted_nodes)
+            paths = p.tree.token_paths
+            eagle_nodes = [i for i, path in enumerate(paths) if path in p.eagle_paths]
+            cal.observe_eagle([math.exp(float(p.tree.scores[i])) for i in eagle_nodes],
+                              [i in taken for i in eagle_nodes])
+            suffix_nodes = [i for i, path in enumerate(paths) if path in p.suffix]
+            cal.observe_suffix([p.suffix[paths[i]] for i in suffix_nodes], [i in taken for i in suffix_nodes])
+            cal.observe_lookup(len(p.lookup), by_lookup)
 
     # ---- the loop --------------------------------------------------------------------------------
     @torch.inference_mode()
     def stream(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
-               capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None
-               ) -> Iterator[tuple[list[int], GenerationResult | None]]:
+               capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
+               tenant: str = "default") -> Iterator[tuple[list[int], GenerationResult | None]]:
         """Yields (new token ids, None) per verify step, then ([], GenerationResult) once."""
         sampling = sampling or SamplingParams()
         prompt_ids = self.encode(prompt)
         self._check_limits(len(prompt_ids), sampling)
+        binding = self._binding  # this request drafts, calibrates and reports with this head to the end
         t0 = time.perf_counter()
         from transformers import DynamicCache
 
         cache = DynamicCache()
         n = len(prompt_ids)
-        need_aux = capture or self.head is not None  # plain decoding without capture skips them
+        need_aux = capture or binding.head is not None  # plain decoding without capture skips them
         logits, aux = self._target_forward(prompt_ids, cache, torch.arange(n), None, need_aux)
         captured = [aux.float().cpu()] if capture else []
         first = self._sample_row(logits[-1:], sampling, generator)
@@ -381,8 +486,9 @@ class SpeculativeEngine:
         steps: list[VerifyStep] = []
         feed = None
         split = BudgetSplit()
-        if self.head is not None:
-            feed = _HeadFeed(self, DraftKVCache.empty(self.head.cfg, 1, n + 64, self.head.dtype, self.device))
+        if binding.head is not None:
+            hcache = DraftKVCache.empty(binding.head.cfg, 1, n + 64, binding.head.dtype, self.device)
+            feed = _HeadFeed(self, binding.head, hcache)
             feed.add(prompt_ids[1:] + [first], aux, 0)
         visible, finish = self._cut(generated, sampling, stop)
         emitted = 0
@@ -394,34 +500,43 @@ class SpeculativeEngine:
                 break
             root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
             t_step = time.perf_counter()
-            tree, sources = self._propose(prompt_ids + generated, feed, root_pos, split)
+            # draft
+            p = self._propose(binding, prompt_ids + generated, feed, root_pos, split, tenant)
+            tree = p.tree
+            # verify: the whole tree in one target forward
             t_verify = time.perf_counter()
             mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
             logits, aux = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
                                                tree_position_ids(tree, root_pos), mask, need_aux)
             t_done = self._clock() if self.config.cost_aware else 0.0
             res = self._verify(tree, logits, sampling, generator)
-            self._account(split, tree, sources, res)
+            # accept: keep the accepted path in the target cache, feed it to the head
+            self._account(binding, split, p, res)
             rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
             self._keep_cache(cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
             new = list(res.tokens)
+            if feed is not None:
+                feed.add(new, aux.index_select(0, rows), root_pos)
+            generated.extend(new)
+            # capture
             steps.append(VerifyStep(tree.size, res.accept_length, res.accept_length, res.rejected_token,
                                     res.rejected_draft_prob, res.rejected_target_prob))
             if capture:
                 captured.append(aux.index_select(0, rows).float().cpu())
-            if feed is not None:
-                feed.add(new, aux.index_select(0, rows), root_pos)
-            generated.extend(new)
             if self.config.cost_aware:
                 self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))
             visible, finish = self._cut(generated, sampling, stop)
-        yield [], self._result(prompt_ids, visible, finish, steps, captured, sampling, request_id, t0)
+        if self.suffix_index is not None:
+            self.suffix_index.add(visible, tenant)
+        self.calibrations.save(binding, self.target.fingerprint)  # rate-limited; never raises
+        yield [], self._result(binding, prompt_ids, visible, finish, steps, captured, sampling, request_id, tenant,
+                               t0)
 
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
-                 capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None
-                 ) -> GenerationResult:
+                 capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
+                 tenant: str = "default") -> GenerationResult:
         result = None
-        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator):
+        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator, tenant):
             result = res or result
         return result
 
@@ -452,7 +567,8 @@ class SpeculativeEngine:
             return generated[: sampling.max_tokens], "length"
         return generated, None
 
-    def _result(self, prompt_ids, generated, finish, steps, captured, sampling, request_id, t0) -> GenerationResult:
+    def _result(self, binding: HeadBinding, prompt_ids, generated, finish, steps, captured, sampling, request_id,
+                tenant, t0) -> GenerationResult:
         tok = self.target.tokenizer
         text = ""
         if tok is not None:
@@ -463,9 +579,30 @@ class SpeculativeEngine:
         if captured:
             aux = torch.cat(captured)[: len(ids)].numpy().astype(np.float32)
         trace = TraceRecord(
-            request_id=request_id, target_fingerprint=self.target.fingerprint, head_version=self.head_version,
+            request_id=request_id, target_fingerprint=self.target.fingerprint, head_version=binding.version,
             backend="reference", input_ids=tuple(ids), loss_mask=tuple([0] * len(prompt_ids) + [1] * len(generated)),
-            steps=tuple(steps), sampling=sampling, aux_hidden=aux,
+            steps=tuple(steps), tenant=tenant, sampling=sampling, aux_hidden=aux,
             aux_layer_ids=tuple(self.target.aux_layer_ids) if aux is not None else (),
+            compute=binding.compute, lossless=binding.lossless,
         )
-        return GenerationResult(text, generated, finish, trace, time.perf_counter() - t0, steps)
+        return GenerationResult(text, generated, finish, trace, time.perf_counter() - t0, steps, binding.version,
+                                binding.compute, binding.lossless)
+
+
+def _unpack_head(head, version: str | None) -> tuple[Eagle3DraftHead | None, str | None, dict | None]:
+    """(head module, version, head.json metrics) from an Eagle3DraftHead, a LoadedHead or None."""
+    if head is None or isinstance(head, Eagle3DraftHead):
+        return head, version if head is not None else None, None
+    meta = getattr(head, "meta", None)
+    if meta is None or not isinstance(getattr(head, "head", None), Eagle3DraftHead):
+        raise GenerationError(f"head must be an Eagle3DraftHead, a LoadedHead or None, not {type(head).__name__}")
+    return head.head, version or meta.version, meta.metrics
+
+
+def _restrict(p: Proposal, tree: DraftTree) -> Proposal:
+    """The proposal cut to `tree` (an ancestor-closed part of p.tree)."""
+    kept = set(tree.token_paths)
+    n = 0
+    while n < len(p.lookup) and p.lookup[: n + 1] in kept:
+        n += 1
+    return Proposal(tree, p.eagle_paths & kept, p.lookup[:n], {q: v for q, v in p.suffix.items() if q in kept})

@@ -8,7 +8,7 @@ budget between model-free and EAGLE branches. Must not touch: models, caches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def suffix_match_continuation(context: list[int], max_tokens: int, min_ngram: int = 2, max_ngram: int = 6) -> list[int]:
@@ -29,24 +29,33 @@ def suffix_match_continuation(context: list[int], max_tokens: int, min_ngram: in
     return []
 
 
+SOURCES = ("eagle", "lookup", "suffix")  # the draft head, the request's own context, recent outputs
+
+
 @dataclass
 class BudgetSplit:
-    """Splits the per-step node budget between model-free and EAGLE nodes by measured acceptance:
-    an exponential moving average of accepted tokens per offered node for each source."""
+    """Splits the per-step node budget between the draft head ("eagle") and the model-free sources
+    ("lookup": the request's own context; "suffix": recently served outputs) by measured acceptance:
+    an exponential moving average of accepted tokens per offered node for each source. Each
+    model-free source gets a share in [min_share, max_share] of the budget; the head gets the rest."""
 
-    lookup_rate: float = 0.5
-    eagle_rate: float = 0.5
+    rates: dict = field(default_factory=lambda: {s: 0.5 for s in SOURCES})
     decay: float = 0.9
     min_share: float = 0.1
     max_share: float = 0.75
 
-    def lookup_nodes(self, budget: int, available: int) -> int:
-        share = self.lookup_rate / max(1e-6, self.lookup_rate + self.eagle_rate)
-        share = min(self.max_share, max(self.min_share, share))
-        return min(available, max(1, round(share * budget))) if available else 0
+    def allocate(self, budget: int, available: dict[str, int]) -> dict[str, int]:
+        """Nodes per model-free source (at most what it has), and for "eagle" what is left (>= 1)."""
+        offered = {s: n for s, n in available.items() if s != "eagle" and n > 0}
+        total = self.rates["eagle"] + sum(self.rates[s] for s in offered)
+        out = {}
+        for s, n in offered.items():
+            share = min(self.max_share, max(self.min_share, self.rates[s] / max(1e-6, total)))
+            out[s] = min(n, max(1, round(share * budget)))
+        out["eagle"] = max(1, budget - sum(out.values()))
+        return out
 
-    def update(self, lookup_offered: int, lookup_accepted: int, eagle_offered: int, eagle_accepted: int) -> None:
-        if lookup_offered:
-            self.lookup_rate = self.decay * self.lookup_rate + (1 - self.decay) * lookup_accepted / lookup_offered
-        if eagle_offered:
-            self.eagle_rate = self.decay * self.eagle_rate + (1 - self.decay) * eagle_accepted / eagle_offered
+    def update(self, offered: dict[str, int], accepted: dict[str, int]) -> None:
+        for s, n in offered.items():
+            if n:
+                self.rates[s] = self.decay * self.rates[s] + (1 - self.decay) * accepted.get(s, 0) / n
