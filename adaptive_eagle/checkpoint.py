@@ -1,7 +1,9 @@
 """Head checkpoints: the on-disk formats of a draft head, their validation and conversions.
 
 Owns: one version directory ``<version>/{config.json, model.safetensors, head.json}`` (SGLang's
-``LlamaForCausalLMEagle3`` layout plus our provenance), the one function that upgrades old or
+``LlamaForCausalLMEagle3`` layout plus our provenance; a MoE head is saved as
+``AdaptiveEagleMoEForCausalLMEagle3``, a name SGLang and vLLM refuse, since both would load it as
+their dense head and silently skip the expert weights), the one function that upgrades old or
 foreign config layouts (``upgrade_config``), the checks every load runs (``HeadValidationError``),
 and the head's storage dtype names. Writes go through ``atomic.py`` (``staging_dir`` is re-exported
 here for older callers). Must not touch: export to / import from other stacks (``interop.py``), the head math
@@ -13,8 +15,11 @@ Tensor names in ``model.safetensors`` are the head's state-dict keys minus ``emb
 ``layers.0.*`` for ``midlayer.*`` and an optional leading ``model.``.
 
 Aux-layer ids: ``adaptive_eagle.aux_layer_ids`` holds OUR convention (k = input of target layer k,
-see targets.py); ``eagle_config.eagle_aux_hidden_state_layer_ids`` holds k - 1 for SGLang; the
-speculators export (interop.py) writes k as is (vLLM captures the input of layer k).
+see targets.py), and so does the top-level ``eagle_aux_hidden_state_layer_ids``, which vLLM reads
+first and as is (vLLM captures the input of layer k); ``eagle_config.eagle_aux_hidden_state_layer_ids``
+holds k - 1 for SGLang (which captures the input of layer id + 1 and ignores the top-level key).
+Every place present must agree, and the ids must be strictly ascending and unique. The speculators
+export (interop.py) writes k as is.
 """
 
 from __future__ import annotations
@@ -34,17 +39,27 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from adaptive_eagle.atomic import atomic_write_text, staging_dir
-from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
-from adaptive_eagle.targets import DTYPES, Target, parse_dtype, default_aux_layer_ids, from_sglang_config_layer_ids, sglang_config_layer_ids
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, check_aux_layer_ids
+from adaptive_eagle.targets import (
+    DTYPES,
+    Target,
+    default_aux_layer_ids,
+    from_sglang_config_layer_ids,
+    parse_dtype,
+    sglang_config_layer_ids,
+)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: MoE heads under MOE_ARCH; top-level eagle_aux_hidden_state_layer_ids (optional on load)
 CONFIG_FILE, WEIGHTS_FILE, META_FILE = "config.json", "model.safetensors", "head.json"
 EMBED_KEY = "embed_tokens.weight"
-SGLANG_ARCH = "LlamaForCausalLMEagle3"
+SGLANG_ARCH = "LlamaForCausalLMEagle3"  # dense heads: SGLang's and vLLM's EAGLE-3 class
+MOE_ARCH = "AdaptiveEagleMoEForCausalLMEagle3"  # MoE heads: registered by neither, so both refuse to load them
+TOP_LEVEL_IDS = "eagle_aux_hidden_state_layer_ids"  # our ids (input of layer k), where vLLM looks first
 LAYER_ID_CONVENTION = (
     "aux_layer_ids[i] = k names the INPUT of target decoder layer k (transformers hidden_states[k]); "
+    "the top-level eagle_aux_hidden_state_layer_ids holds k as is (vLLM reads it first); "
     "eagle_config.eagle_aux_hidden_state_layer_ids holds k - 1 because SGLang captures the input of "
-    "layer id + 1; vLLM / speculators take k as is"
+    "layer id + 1"
 )
 
 
@@ -150,10 +165,12 @@ def _config_json(f: dict, torch_dtype: str) -> dict:
     """config.json (current layout) from DraftHeadConfig.to_dict()-shaped fields."""
     ids = [int(k) for k in f["aux_layer_ids"]]
     return {
-        "architectures": [SGLANG_ARCH], "model_type": "llama", "num_hidden_layers": 1,
+        "architectures": [MOE_ARCH if f["num_experts"] > 1 else SGLANG_ARCH], "model_type": "llama",
+        "num_hidden_layers": 1,
         **{k: f[k] for k in _SHAPE_KEYS},
         "rope_scaling": None, "max_position_embeddings": f["max_position_embeddings"], "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": torch_dtype,
+        TOP_LEVEL_IDS: ids,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_config_layer_ids(ids),
                          "use_aux_hidden_state": True},
         "adaptive_eagle": {"format_version": FORMAT_VERSION, **{k: f[k] for k in _MOE_KEYS}, "aux_layer_ids": ids,
@@ -184,24 +201,56 @@ def _from_speculators(raw: dict) -> dict:
 
 
 def _aux_ids(cfg: dict, block: dict, num_target_layers: int | None) -> list[int]:
-    sglang_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    ours = block.get("aux_layer_ids")
-    from_sglang = None if sglang_ids is None else list(from_sglang_config_layer_ids(sglang_ids))
-    if ours is not None and from_sglang is not None and from_sglang != [int(k) for k in ours]:
-        raise HeadValidationError(CONFIG_FILE, f"eagle_config ids {list(sglang_ids)} (+1 = input of layer) disagree "
-                                               f"with adaptive_eagle.aux_layer_ids {list(ours)}")
-    if ours is None and from_sglang is None:
+    """Our aux ids, from whichever places the config holds them: all present must agree, ascending."""
+    found: list[tuple[str, list[int]]] = []  # (field as written in config.json, ids in our convention)
+    if (ours := block.get("aux_layer_ids")) is not None:
+        found.append(("adaptive_eagle.aux_layer_ids", [int(k) for k in ours]))
+    if (top := cfg.get(TOP_LEVEL_IDS)) is not None:
+        found.append((f"{TOP_LEVEL_IDS} (top level, read by vLLM as is)", [int(k) for k in top]))
+    if (sglang_ids := (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")) is not None:
+        found.append((f"eagle_config.eagle_aux_hidden_state_layer_ids {list(sglang_ids)} (+1 = input of layer, "
+                      "read by SGLang)", list(from_sglang_config_layer_ids(sglang_ids))))
+    if not found:
         if num_target_layers is None:
-            raise HeadValidationError(CONFIG_FILE, "no aux layer ids (eagle_config absent): the default [2, L//2, "
-                                                   "L-3] depends on the target's layer count; pass the target")
-        return list(default_aux_layer_ids(num_target_layers))
-    return list(ours if ours is not None else from_sglang)
+            raise HeadValidationError(CONFIG_FILE, "no aux layer ids (no eagle_config, no top-level ids): the "
+                                                   "default [2, L//2, L-3] depends on the target's layer count; "
+                                                   "pass the target")
+        found.append((f"the default aux layer ids for a {num_target_layers}-layer target",
+                      list(default_aux_layer_ids(num_target_layers))))
+    field0, ids = found[0]
+    for field_, other in found[1:]:
+        if other != ids:
+            raise HeadValidationError(CONFIG_FILE, f"{field_} = {other} disagree with {field0} = {ids} "
+                                                   "(input-of-layer convention)")
+    try:
+        return list(check_aux_layer_ids(ids, field0))
+    except ValueError as e:
+        raise HeadValidationError(CONFIG_FILE, str(e)) from None
+
+
+def _check_architecture(archs: list[str], block: dict) -> None:
+    """Dense heads are LlamaForCausalLMEagle3 (or a foreign EAGLE-3 name), MoE heads MOE_ARCH.
+
+    A format-1 MoE head saved under the dense name is upgraded (the caller rewrites the name); from
+    format 2 on that mismatch is refused, as is MOE_ARCH on a dense config.
+    """
+    if not any("Eagle3" in a for a in archs):
+        raise HeadValidationError(CONFIG_FILE, f"architectures {archs} is not an EAGLE-3 head")
+    experts, version = block.get("num_experts", 1), block.get("format_version", FORMAT_VERSION)
+    if MOE_ARCH in archs and not (isinstance(experts, int) and experts > 1):
+        raise HeadValidationError(CONFIG_FILE, f"architectures {archs} names a MoE head but adaptive_eagle.num_experts "
+                                               f"is {experts!r}; a dense head is [{SGLANG_ARCH!r}]")
+    if isinstance(experts, int) and experts > 1 and MOE_ARCH not in archs and version >= 2:
+        raise HeadValidationError(CONFIG_FILE, f"architectures {archs} with adaptive_eagle.num_experts {experts}: "
+                                               f"a MoE head must be [{MOE_ARCH!r}] (SGLang and vLLM would load it as "
+                                               "their dense head and skip the expert weights)")
 
 
 def upgrade_config(raw: dict, *, num_target_layers: int | None = None) -> dict:
     """Map any known config.json layout to the current one (what save_head writes).
 
-    Known layouts: ours (format_version 1); SGLang / SpecForge / official EAGLE-3
+    Known layouts: ours (format_version 2; format 1 wrote MoE heads under the dense name and no
+    top-level aux ids); SGLang / SpecForge / official EAGLE-3
     (``LlamaForCausalLMEagle3``, no ``adaptive_eagle`` block, maybe no ``eagle_config``); vLLM
     speculators ``eagle3``. Without any aux ids, SGLang and vLLM capture [2, L//2, L-3] of the
     target (input-of-layer, as ours): that needs ``num_target_layers``, else this raises.
@@ -209,14 +258,12 @@ def upgrade_config(raw: dict, *, num_target_layers: int | None = None) -> dict:
     if not isinstance(raw, dict):
         raise HeadValidationError(CONFIG_FILE, "top level must be a JSON object")
     cfg = _from_speculators(raw) if "speculators_model_type" in raw else dict(raw)
-    archs = cfg.get("architectures") or [SGLANG_ARCH]
-    if not any("Eagle3" in a for a in archs):
-        raise HeadValidationError(CONFIG_FILE, f"architectures {archs} is not an EAGLE-3 head")
     if cfg.get("num_hidden_layers", 1) != 1:
         raise HeadValidationError(CONFIG_FILE, f"num_hidden_layers {cfg['num_hidden_layers']}: only 1-layer heads")
     block = dict(cfg.get("adaptive_eagle") or {})
     if block.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
         raise HeadValidationError(CONFIG_FILE, f"adaptive_eagle.format_version {block['format_version']} is newer")
+    _check_architecture(list(cfg.get("architectures") or [SGLANG_ARCH]), block)
     required = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
     if missing := [k for k in required if cfg.get(k) is None]:
         raise HeadValidationError(CONFIG_FILE, f"missing fields {missing}")
@@ -382,10 +429,15 @@ def save_head(head: Eagle3DraftHead, directory: str | os.PathLike, meta: HeadMet
               dtype: torch.dtype = torch.bfloat16, *, overwrite: bool = False) -> HeadMeta:
     """Write one version directory atomically; returns `meta` with sha256 (and created) filled in.
 
-    Refuses (HeadValidationError) a head whose weights are non-finite after the cast to `dtype`.
+    Refuses (HeadValidationError) a head whose weights are non-finite after the cast to `dtype`, or
+    whose aux layer ids are not strictly ascending and unique (no serving stack could feed it).
     """
     final = Path(directory)
     dtype_name = storage_dtype_name(dtype)
+    try:
+        check_aux_layer_ids(head.cfg.aux_layer_ids)
+    except ValueError as e:
+        raise HeadValidationError(f"{final} (head being saved)", str(e)) from None
     tensors = {k: (t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()).contiguous()
                for k, t in head.state_dict().items() if k != EMBED_KEY}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
@@ -442,6 +494,7 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
 
 
 __all__ = [
-    "FORMAT_VERSION", "HeadMeta", "HeadValidationError", "LoadedHead", "file_sha256", "load_head", "read_config",
+    "FORMAT_VERSION", "MOE_ARCH", "SGLANG_ARCH", "TOP_LEVEL_IDS", "HeadMeta", "HeadValidationError", "LoadedHead",
+    "file_sha256", "load_head", "read_config",
     "save_head", "staging_dir", "storage_dtype_name", "update_metrics", "upgrade_config", "utc_now_iso",
 ]

@@ -41,6 +41,20 @@ from torch import nn
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def check_aux_layer_ids(ids, field: str = "aux_layer_ids") -> tuple[int, ...]:
+    """`ids` as ints when strictly ascending and unique, else ValueError naming `field` and the rule.
+
+    The head's fc reads its aux blocks in list order, while serving stacks capture in layer order
+    (SGLang walks its layers, vLLM tests membership), so a repeated or out-of-order id would feed
+    fc blocks in an order the head was not trained on (or fewer blocks than fc expects).
+    """
+    ids = tuple(int(k) for k in ids)
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"{field} {list(ids)} must be strictly ascending and unique (serving stacks capture aux "
+                         "layers in layer order; fc reads its blocks in list order)")
+    return ids
+
+
 @dataclass(frozen=True)
 class DraftHeadConfig:
     hidden_size: int

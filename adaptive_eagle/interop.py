@@ -25,6 +25,7 @@ from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.checkpoint import (  # the private helpers are this package's shared checks
     CONFIG_FILE,
     EMBED_KEY,
+    TOP_LEVEL_IDS,
     WEIGHTS_FILE,
     HeadMeta,
     HeadValidationError,
@@ -63,7 +64,8 @@ def export_speculators(head_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     ``vllm/transformers_utils/configs/speculators/{base,algos}.py`` read those fields (aux ids as
     is) and ``vllm/model_executor/models/llama_eagle3.py`` loads ``layers.0.*`` (or ``midlayer.*``),
     loads d2t, skips t2d and shares the target's embeddings when the file has none.
-    Our layer keeps the un-normed hidden stream as the residual: norm_before_residual = false.
+    Our layer keeps the un-normed hidden stream as the residual: norm_before_residual = false, written
+    out always, because vLLM's ``update_eagle3`` defaults an absent key to true.
     """
     loaded = load_head(head_dir, target)
     cfg, meta = loaded.config, loaded.meta
@@ -75,13 +77,15 @@ def export_speculators(head_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     dtype_name = storage_dtype_name(loaded.head.fc.weight.dtype)
     arch = (getattr(target.config, "architectures", None) or [type(target.model).__name__]) if target else None
     layer = {k: v for k, v in _config_json(cfg.to_dict(), dtype_name).items()
-             if k not in ("architectures", "eagle_config", "adaptive_eagle", "draft_vocab_size", "target_hidden_size")}
+             if k not in ("architectures", "eagle_config", "adaptive_eagle", "draft_vocab_size", "target_hidden_size",
+                          TOP_LEVEL_IDS)}
     verifier = {"name_or_path": verifier_name_or_path or (str(target.path) if target else meta.target_name),
                 "architectures": list(arch or ["LlamaForCausalLM"])}
     config = {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
         "transformer_layer_config": {**layer, "mlp_bias": False},
-        "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": False,  # pinned: vLLM reads an absent key as true
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),  # vLLM: input of layer k, no -1
         "speculators_config": {

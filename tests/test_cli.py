@@ -86,7 +86,7 @@ def test_train_head_requires_out(runner):
 
 
 def test_export_then_import_a_tiny_head(runner, tmp_path):
-    target = tiny_target(seed=0)
+    target = tiny_target(seed=0, num_layers=8)  # aux ids (2, 4, 5): distinct, as a saved head needs
     cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=48, aux_layer_ids=target.aux_layer_ids)
     torch.manual_seed(0)
     head = Eagle3DraftHead(cfg)

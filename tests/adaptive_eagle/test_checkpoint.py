@@ -9,6 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from adaptive_eagle.checkpoint import (
+    MOE_ARCH,
+    SGLANG_ARCH,
     HeadMeta,
     HeadValidationError,
     file_sha256,
@@ -17,16 +19,21 @@ from adaptive_eagle.checkpoint import (
     save_head,
     upgrade_config,
 )
-from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, check_aux_layer_ids, init_weights
 from adaptive_eagle.interop import export_speculators, import_specforge
 from adaptive_eagle.targets import tiny_target
 
 DRAFT_VOCAB = 40
 
 
+def tiny(**kw):
+    """8 layers: default aux ids (2, 4, 5) are distinct (6 layers would give (2, 3, 3))."""
+    return tiny_target(num_layers=8, **kw)
+
+
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
+    return tiny()
 
 
 def make_head(target, num_experts=1, seed=0):
@@ -87,6 +94,7 @@ def edit_config(d: Path, fn):
 def set_aux(ids):
     def fn(cfg):
         cfg["adaptive_eagle"]["aux_layer_ids"] = ids
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [k - 1 for k in ids]
 
     return fn
@@ -128,8 +136,9 @@ def test_sglang_config_and_file_layout(tmp_path, target):
     assert cfg["num_hidden_layers"] == 1 and cfg["hidden_act"] == "silu" and cfg["tie_word_embeddings"] is False
     assert cfg["vocab_size"] == 128 and cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["target_hidden_size"] == 64
     assert cfg["torch_dtype"] == "bfloat16" and cfg["rope_scaling"] is None and cfg["head_dim"] == 16
-    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 2], "use_aux_hidden_state": True}
-    assert cfg["adaptive_eagle"]["aux_layer_ids"] == [2, 3, 3] == list(target.aux_layer_ids)
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 3, 4], "use_aux_hidden_state": True}
+    assert cfg["adaptive_eagle"]["aux_layer_ids"] == [2, 4, 5] == list(target.aux_layer_ids)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # top level, for vLLM: ours, no -1
     assert read_config(tmp_path / "v") == head.cfg
     with safe_open(str(tmp_path / "v" / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
@@ -137,6 +146,57 @@ def test_sglang_config_and_file_layout(tmp_path, target):
         assert keys == set(trainable_state(head)) and "embed_tokens.weight" not in keys
         assert f.get_tensor("d2t").dtype == torch.int64 and f.get_tensor("t2d").dtype == torch.bool
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+
+
+def test_moe_head_is_not_loadable_as_sglangs_dense_head(tmp_path, target):
+    save_head(make_head(target), tmp_path / "dense", meta_for(target))
+    save_head(make_head(target, num_experts=3), tmp_path / "moe", meta_for(target))
+    dense = json.loads((tmp_path / "dense" / "config.json").read_text())
+    moe = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert dense["architectures"] == [SGLANG_ARCH] == ["LlamaForCausalLMEagle3"]
+    # SGLang resolves architectures by exact class name; this one is registered by neither SGLang nor vLLM
+    assert moe["architectures"] == [MOE_ARCH] and not any("LlamaForCausalLMEagle3" == a for a in moe["architectures"])
+    assert "auto_map" not in moe  # nothing for a Transformers fallback to load instead
+    assert load_head(tmp_path / "moe", target).config.num_experts == 3  # our loader takes both names
+
+
+def test_format_1_moe_head_under_the_dense_name_is_upgraded(tmp_path, target):
+    head = make_head(target, num_experts=3)
+    d = tmp_path / "old-moe"
+    save_head(head, d, meta_for(target), dtype=torch.float32)
+
+    def to_format_1(c):
+        c.update(architectures=[SGLANG_ARCH])
+        c.pop("eagle_aux_hidden_state_layer_ids")
+        c["adaptive_eagle"]["format_version"] = 1
+
+    edit_config(d, to_format_1)
+    assert upgrade_config(json.loads((d / "config.json").read_text()))["architectures"] == [MOE_ARCH]
+    assert_same_weights(head, load_head(d, target).head)
+    edit_config(d, lambda c: c["adaptive_eagle"].update(format_version=2))  # a current file cannot do this
+    with pytest.raises(HeadValidationError, match=r"config\.json: architectures \['LlamaForCausalLMEagle3'\] with "
+                                                  r"adaptive_eagle\.num_experts 3: a MoE head must be"):
+        load_head(d, target)
+
+
+def test_aux_ids_must_be_strictly_ascending_and_unique(tmp_path, target):
+    assert check_aux_layer_ids([2, 4, 5]) == (2, 4, 5)
+    for bad in ([2, 4, 4], [4, 2, 5], [3, 3]):
+        with pytest.raises(ValueError, match=r"aux_layer_ids .* must be strictly ascending and unique"):
+            check_aux_layer_ids(bad)
+    head = make_head(target)
+    object.__setattr__(head.cfg, "aux_layer_ids", (2, 5, 4))  # a config made before the rule existed
+    with pytest.raises(HeadValidationError, match=r"head being saved\): aux_layer_ids \[2, 5, 4\] must be strictly"):
+        save_head(head, tmp_path / "v", meta_for(target))
+    assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-english-v1", "smollm2-135m-english-v2"])
+def test_shipped_heads_without_the_top_level_ids_still_load(name):
+    d = Path(__file__).resolve().parents[2] / "heads" / name
+    assert "eagle_aux_hidden_state_layer_ids" not in json.loads((d / "config.json").read_text())
+    assert read_config(d).aux_layer_ids == (2, 15, 27)
+    assert load_head(d).config.num_experts == 1
 
 
 def _flip_byte(d):
@@ -177,14 +237,22 @@ REFUSALS = [  # (id, mutate the saved dir or None, target factory or None, messa
     ("vocab-map", on_tensors(lambda t: t["t2d"].fill_(True)), None, r"t2d marks 128"),
     ("malformed-config", lambda d: (d / "config.json").write_text("{not json"), None, r"config\.json: malformed JSON"),
     ("config-range", on_config(lambda c: c.update(rms_norm_eps=-1.0)), None, r"config\.json: rms_norm_eps"),
-    ("aux-disagree", on_config(lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 3, 3])),
+    ("aux-disagree", on_config(lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5])),
      None, r"disagree"),
+    ("aux-top-level-disagree", on_config(lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4])), None,
+     r"config\.json: eagle_aux_hidden_state_layer_ids \(top level, read by vLLM as is\) = \[1, 3, 4\] disagree"),
+    ("aux-duplicate", on_config(set_aux([2, 4, 4])), None,
+     r"config\.json: adaptive_eagle\.aux_layer_ids \[2, 4, 4\] must be strictly ascending and unique"),
+    ("aux-unsorted", on_config(set_aux([4, 2, 5])), None, r"\[4, 2, 5\] must be strictly ascending"),
+    ("moe-name-on-dense", on_config(lambda c: c.update(architectures=[MOE_ARCH])), None,
+     r"config\.json: architectures \['AdaptiveEagleMoEForCausalLMEagle3'\] names a MoE head but "
+     r"adaptive_eagle\.num_experts is 1"),
     ("missing-meta", lambda d: (d / "head.json").unlink(), None, r"head\.json: missing"),
-    ("vocab", None, lambda: tiny_target(vocab_size=256), r"config\.json: vocab_size 128 != target"),
-    ("hidden", None, lambda: tiny_target(hidden_size=32), r"target_hidden_size 64 != target hidden_size 32"),
-    ("aux-ids", on_config(set_aux([1, 2, 4])), tiny_target, r"aux layer ids \[1, 2, 4\] != the target's"),
-    ("aux-range", on_config(set_aux([2, 3, 7])), tiny_target, r"aux layer ids \[7\] out of range 1\.\.5"),
-    ("fingerprint", None, lambda: tiny_target(seed=1), r"head\.json: target fingerprint"),
+    ("vocab", None, lambda: tiny(vocab_size=256), r"config\.json: vocab_size 128 != target"),
+    ("hidden", None, lambda: tiny(hidden_size=32), r"target_hidden_size 64 != target hidden_size 32"),
+    ("aux-ids", on_config(set_aux([1, 2, 4])), tiny, r"aux layer ids \[1, 2, 4\] != the target's"),
+    ("aux-range", on_config(set_aux([2, 3, 9])), tiny, r"aux layer ids \[9\] out of range 1\.\.7"),
+    ("fingerprint", None, lambda: tiny(seed=1), r"head\.json: target fingerprint"),
 ]
 
 
@@ -200,7 +268,7 @@ def test_refused(saved, case):
 
 def test_fingerprint_override_and_checksum_skip(saved):
     head, d = saved
-    other = tiny_target(seed=1)  # same shapes, other weights
+    other = tiny(seed=1)  # same shapes, other weights
     assert_same_weights(head, load_head(d, other, allow_fingerprint_mismatch=True).head)
     tensors = load_file(str(d / "model.safetensors"))
     tensors["fc.weight"][0, 0] += 1.0
@@ -219,7 +287,7 @@ def test_alternative_prefixes_load(saved, target):
 
 def test_config_without_aux_ids_needs_target(saved, target):
     head, d = saved
-    edit_config(d, lambda c: (c.pop("eagle_config"), c.pop("adaptive_eagle")))
+    edit_config(d, lambda c: [c.pop(k) for k in ("eagle_config", "adaptive_eagle", "eagle_aux_hidden_state_layer_ids")])
     with pytest.raises(HeadValidationError, match=r"config\.json: no aux layer ids.*pass the target"):
         read_config(d)
     assert read_config(d, target) == head.cfg  # SGLang default [2, L//2, L-3] == the target's
@@ -250,7 +318,8 @@ def test_speculators_export_round_trip(saved, target, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["target_hidden_size"] == 64
-    assert cfg["norm_before_residual"] is False and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # no -1
+    assert cfg["norm_before_residual"] is False and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # no -1
+    assert "eagle_aux_hidden_state_layer_ids" not in cfg["transformer_layer_config"]
     sc = cfg["speculators_config"]
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
@@ -315,7 +384,7 @@ def test_specforge_import_refusals(tmp_path, target):
 def test_update_metrics_merges_and_keeps_checksum(tmp_path):
     from adaptive_eagle.checkpoint import update_metrics
 
-    target = tiny_target()
+    target = tiny()
     cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.aux_layer_ids)
     head = Eagle3DraftHead(cfg)
     init_weights(head)
