@@ -208,7 +208,7 @@ def load_prompts(workload: str, conversations, n: int) -> list | None:
     except ImportError as e:
         print(f"agent workload skipped: bench/workloads.py has no agent_prompts yet ({e})", file=sys.stderr)
         return None
-    return list(agent_prompts(conversations, n))
+    return list(agent_prompts(D.select(conversations, domains=["english"], split="heldout"), n))
 
 
 def _ratio(table: dict | None, row: str, over: str) -> float | None:
