@@ -7,6 +7,7 @@ Imports nothing from trainer, feature_store, serving or policies (they build on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -84,6 +85,8 @@ def generate(
     stop: Optional[list[str]] = typer.Option(None, help="stop string (repeatable)"),
     seed: Optional[int] = typer.Option(None),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ..."),
+    compute: str = typer.Option("auto", help="auto: the fastest exact mode measured on this machine; or bf16, fp32, "
+                                "fp32+fp16-weights, fp16 (bf16/fp16 are lossless only up to their rounding)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Generate with EAGLE-3 speculative decoding; prints the text and a one-line summary."""
@@ -100,17 +103,22 @@ def generate(
                            cost_aware=cost_aware)
     except ValueError as e:
         fail(str(e))
-    tgt = load_target(target, device=device)
+    try:
+        tgt = load_target(target, device=device, compute=compute)
+    except ValueError as e:
+        fail(str(e))
     draft, version = None, None
     if head.lower() != "none":
         try:
-            loaded = load_head(Path(head), tgt, device=tgt.device)
+            draft = load_head(Path(head), tgt, device=tgt.device)  # the engine prepares it for tgt's compute mode
         except (HeadValidationError, FileNotFoundError) as e:
             fail(f"head refused: {e}")
-        draft, version = loaded.head.to(tgt.dtype), loaded.meta.version
+        version = draft.meta.version
+    else:
+        cfg = dataclasses.replace(cfg, suffix_drafting=False)  # one request: nothing to draft from
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     try:
-        engine = SpeculativeEngine(tgt, draft, cfg, head_version=version)
+        engine = SpeculativeEngine(tgt, draft, cfg)
         if as_json:
             res = engine.generate(prompt, sampling, stop=stop, generator=gen)
         else:
@@ -128,21 +136,32 @@ def generate(
         fail(str(e))
     summary = {"text": res.text, "token_ids": res.token_ids, "accept_length_mean": round(res.accept_length_mean, 3),
                "tokens_per_s": round(res.tokens_per_s, 2), "head_version": version, "finish_reason": res.finish_reason,
-               "target_compute": tgt.compute}
+               "target_compute": res.compute, "lossless": res.lossless}
     if as_json:
         typer.echo(json.dumps(summary))
     else:
         typer.secho(f"[{len(res.token_ids)} tokens, {res.tokens_per_s:.1f} tok/s, mean accept length "
-                    f"{res.accept_length_mean:.2f}, head {version or 'none'}, target {tgt.compute}]",
+                    f"{res.accept_length_mean:.2f}, head {version or 'none'}, target {res.compute}: {res.lossless}]",
                     fg=typer.colors.CYAN, err=True)
 
 
 @app.command("target-info")
-def target_info(target: str = typer.Argument("smollm2-135m", help="built-in name or local HF directory")) -> None:
-    """Load a target (dequantising the built-in GGUF once) and print its facts."""
-    from adaptive_eagle.targets import load_target
+def target_info(
+    target: str = typer.Argument("smollm2-135m", help="built-in name or local HF directory"),
+    compute: str = typer.Option("auto", help="auto: the fastest exact mode measured on this machine; or bf16, fp32, "
+                                "fp32+fp16-weights, fp16"),
+    remeasure: bool = typer.Option(False, help="time the compute modes again and replace the cached table"),
+) -> None:
+    """Load a target (dequantising the built-in GGUF once) and print its facts, the compute modes
+    measured on this machine and the one decoding uses (with why, and whether it is exact)."""
+    from adaptive_eagle.targets import describe_compute, load_target
 
-    typer.echo(json.dumps(target_facts(load_target(target)), indent=2))
+    try:
+        tgt = load_target(target, compute=compute)
+    except ValueError as e:
+        fail(str(e))
+    facts = {**target_facts(tgt), "compute": describe_compute(tgt, measure=True, refresh=remeasure)}
+    typer.echo(json.dumps(facts, indent=2))
 
 
 def target_facts(t) -> dict:
@@ -153,6 +172,7 @@ def target_facts(t) -> dict:
     return {
         "name": t.name, "path": str(t.path), "fingerprint": t.fingerprint, "layers": c.num_hidden_layers,
         "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "dtype": str(t.dtype),
+        "target_compute": t.compute, "lossless": t.lossless,
         "aux_layer_ids (input of layer k)": list(t.aux_layer_ids),
         "sglang eagle_aux_hidden_state_layer_ids": sglang_config_layer_ids(t.aux_layer_ids),
     }

@@ -81,7 +81,7 @@ class DraftHeadConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.num_experts < 1 or not 1 <= self.num_experts_per_tok:
             raise ValueError("num_experts and num_experts_per_tok must be >= 1")
-        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        object.__setattr__(self, "aux_layer_ids", check_aux_layer_ids(self.aux_layer_ids))
         if len(self.aux_layer_ids) * self.target_hidden_size == self.hidden_size:
             # fc is applied by input width (3·H_target vs H); equal widths would be ambiguous
             raise ValueError("len(aux_layer_ids) * target_hidden_size must differ from hidden_size")

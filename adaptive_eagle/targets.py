@@ -34,9 +34,12 @@ DEFAULT_TARGET = "smollm2-135m"
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default: inputs of layers [2, L // 2, L - 3]."""
+    """EAGLE-3's default: inputs of layers [2, L // 2, L - 3]. Those collide below 7 layers (6 gives
+    [2, 3, 3]); small (test) targets get [1, L // 2, L - 1] instead, which is strictly ascending."""
     if num_layers < 4:
         raise ValueError(f"EAGLE-3 aux features need a target with >= 4 layers, got {num_layers}")
+    if num_layers < 7:
+        return (1, num_layers // 2, num_layers - 1)
     return (2, num_layers // 2, num_layers - 3)
 
 
@@ -260,17 +263,15 @@ def materialize_builtin(name: str) -> Path:
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    cached_fingerprint(tmp)
-    if out.exists():  # another process won the race
-        import shutil
+    from adaptive_eagle.atomic import staging_dir
 
-        shutil.rmtree(tmp, ignore_errors=True)
-        return out
-    os.replace(tmp, out)
+    try:
+        with staging_dir(out, overwrite=False) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            cached_fingerprint(tmp)
+    except FileExistsError:  # another process won the race
+        pass
     return out
 
 

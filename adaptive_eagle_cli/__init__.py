@@ -18,8 +18,9 @@ from trainer.cli import trainer_app
 
 app = typer.Typer(
     help="adaptive-eagle: EAGLE-3 speculative decoding whose draft heads keep adapting to live traffic.\n\n"
-    "Train and evaluate draft heads for a target model; later waves add serving, the feature store, "
-    "the near-line trainer and the promotion policy.",
+    "Decode with EAGLE-3 (hot-swappable heads, lossless), train and evaluate draft heads, inspect the "
+    "feature store of captured traffic. The near-line trainer, promotion policy and serving gateway are not "
+    "available yet.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,

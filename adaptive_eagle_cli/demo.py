@@ -16,10 +16,10 @@ demo_app = typer.Typer(add_completion=False)
 def demo(
     quick: bool = typer.Option(True, help="small held-out samples (a few minutes on 2 CPU cores)"),
 ) -> None:
-    """The main job. Today: the foundation — the target, the shipped head decoding a prompt next to
+    """The main job. For now: the foundation — the target, the shipped head decoding a prompt next to
     plain decoding, and its held-out acceptance per domain (drift shows as code/maths).
 
-    The adaptive loop (servers → feature store → near-line trainer → promotion) arrives with later waves."""
+    The adaptive loop (servers → feature store → near-line trainer → promotion) is not available yet."""
     import time as _time
 
     import torch
@@ -36,14 +36,12 @@ def demo(
     tgt = load_target()
     typer.echo(json.dumps(target_facts(tgt), indent=2))
     loaded = load_head(SHIPPED_HEAD, tgt)
-    head = loaded.head.to(tgt.dtype)
     prompt = "Give me three tips for writing clear emails."
     sp = SamplingParams(max_tokens=96)
     typer.secho(f"\nprompt: {prompt}", bold=True)
     rows = []
-    for name, eng in (("plain", SpeculativeEngine(tgt, None, EngineConfig(prompt_lookup=False))),
-                      (f"EAGLE-3 {loaded.meta.version}", SpeculativeEngine(tgt, head, EngineConfig(),
-                                                                           loaded.meta.version))):
+    for name, eng in (("plain", SpeculativeEngine(tgt, None, EngineConfig.plain())),
+                      (f"EAGLE-3 {loaded.meta.version}", SpeculativeEngine(tgt, loaded, EngineConfig()))):
         t0 = _time.perf_counter()
         with torch.inference_mode():
             res = eng.generate(prompt, sp)

@@ -1,4 +1,4 @@
-"""`adaptive-eagle train-head | eval-head | data-stats`: the trainer's commands (mounted at top level
+"""`adaptive-eagle train-head | eval-head | calibrate-head | data-stats`: the trainer's commands (mounted at top level
 by adaptive_eagle_cli). Thin: parses options, calls trainer, prints results."""
 
 from __future__ import annotations
@@ -93,6 +93,29 @@ def eval_head(
         fail(f"head refused: {e}")
     if as_json:
         typer.echo(json.dumps(res))
+
+
+@trainer_app.command("calibrate-head")
+def calibrate_head(
+    head: Path = typer.Argument(SHIPPED_HEAD, help="head version directory"),
+    target: Optional[str] = typer.Option(None, help="default: the head's target_name"),
+    prompts: int = typer.Option(16, min=1, max=1000, help="training-split prompts to decode"),
+    max_tokens: int = typer.Option(96, min=8, max=2048, help="tokens generated per prompt"),
+    domains: str = typer.Option("english", help="ShareGPT domains the prompts come from"),
+) -> None:
+    """Measure the head's acceptance by draft probability on this target and write it into head.json,
+    so servers size draft trees right from the first request after a start or a swap."""
+    from adaptive_eagle.checkpoint import HeadValidationError
+    from trainer.calibrate import run_calibrate_head
+
+    if not (head / "head.json").exists():
+        fail(f"{head}: not a head version directory (no head.json)")
+    try:
+        res = run_calibrate_head(head, target, prompts, max_tokens, [d.strip() for d in domains.split(",")],
+                                 log=typer.echo)
+    except HeadValidationError as e:
+        fail(f"head refused: {e}")
+    typer.echo(json.dumps(res))
 
 
 @trainer_app.command("data-stats")

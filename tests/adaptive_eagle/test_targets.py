@@ -94,6 +94,7 @@ def test_features_last_is_after_the_final_norm(tiny):
 def test_default_and_sglang_layer_ids():
     assert default_aux_layer_ids(30) == (2, 15, 27)
     assert default_aux_layer_ids(32) == (2, 16, 29)
+    assert default_aux_layer_ids(6) == (1, 3, 5) and default_aux_layer_ids(4) == (1, 2, 3)  # never colliding
     with pytest.raises(ValueError):
         default_aux_layer_ids(3)
     assert sglang_config_layer_ids((2, 15, 27)) == [1, 14, 26]
@@ -173,7 +174,8 @@ def test_smollm2_facts(smollm2):
     c = smollm2.config
     assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (30, 576, 49152)
     if cpu_has_fast_bf16():
-        assert smollm2.dtype == torch.bfloat16 and smollm2.compute == "bfloat16"
+        # decoding defaults to the fastest EXACT mode measured here (fp32 math), never bf16
+        assert smollm2.exact and smollm2.compute in ("float32", "float32+fp16-weights")
     else:  # AVX2-class CPU: fp32 activations over fp16-packed weights (cpu_linear.py)
         assert smollm2.dtype == torch.float32 and smollm2.compute == "float32+fp16-weights"
     assert smollm2.aux_layer_ids == (2, 15, 27)
