@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from adaptive_eagle.atomic import atomic_write_text
 from adaptive_eagle.costmodel import AcceptCalibration
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.targets import Target
@@ -171,9 +172,7 @@ class CalibrationStore:
                "updated_at": time.time(), "calibration": binding.calibration.to_dict()}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(doc))
-            tmp.replace(path)
+            atomic_write_text(path, json.dumps(doc), fsync=False)  # a lost calibration is re-learnt
             return True
         except OSError as e:  # a read-only cache never fails a request
             log.warning("could not save calibration to %s: %s", path, e)

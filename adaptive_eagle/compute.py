@@ -374,12 +374,12 @@ def read_table(path: Path, machine: str, fingerprint: str, modes: Sequence[str])
 
 
 def write_table(path: Path, table: ComputeTable) -> None:
-    """Atomically: a temp file in the same folder, then os.replace."""
+    """Atomically (atomic.py: a temp file in the same folder, then a rename)."""
+    from adaptive_eagle.atomic import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(table.to_json())
-    os.replace(tmp, path)
+    atomic_write_text(path, table.to_json())
 
 
 def cached_table(folder: Path, make_model: Callable[[str], torch.nn.Module], modes: Sequence[str], machine: str,
