@@ -169,7 +169,7 @@ class SpeculativeEngine:
         except HeadRefused as e:
             raise GenerationError(str(e)) from None
         if self._needs_costs(self._binding):
-            self.calibrate()
+            self.measure_verify_cost()
         eos = getattr(target.model.generation_config, "eos_token_id", None) or target.config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         tok = target.tokenizer
@@ -206,7 +206,7 @@ class SpeculativeEngine:
             return SwapResult(False, f"refused {version or 'head'}: {e}; {self.head_version or 'plain decoding'} "
                                      "keeps serving", self.head_version, ms)
         if self._needs_costs(binding) and not self.verify_cost.points:
-            self.calibrate()
+            self.measure_verify_cost()
         old, self._binding = self._binding, binding  # the flip: one reference assignment
         self.calibrations.save(old, self.target.fingerprint, force=True)
         ms = (time.perf_counter() - t0) * 1e3
@@ -254,7 +254,7 @@ class SpeculativeEngine:
 
     # ---- cost model -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def calibrate(self, prefix: int = 64, reps: int = 2) -> dict[int, float]:
+    def measure_verify_cost(self, prefix: int = 64, reps: int = 2) -> dict[int, float]:
         """Time target forwards of 1, 2, 4, ... tokens over a `prefix`-token cache (best of `reps`)
         and seed the verify-cost model with them; returns {tokens: ms}."""
         from transformers import DynamicCache

@@ -58,7 +58,7 @@ def test_sampling_with_suffix_drafts_keeps_the_target_distribution():
 
     def dist(ids):
         with torch.no_grad():
-            return torch.softmax(target.model(torch.tensor([ids])).logits[0, -1].double(), -1)
+            return torch.softmax(target.model(torch.tensor([ids], device=target.device)).logits[0, -1].double(), -1).cpu()
 
     p1 = dist(prompt)
     p2, p3 = torch.zeros(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
