@@ -1,15 +1,15 @@
 """Offline head trainer (`adaptive-eagle train-head`) and held-out evaluation (`eval-head`).
 
-Owns: the training loop over tokenised conversations (length-bucketed batches, target features
-computed once per batch and reused by all TTT steps, bf16 autocast, AdamW with warmup + cosine,
-gradient clipping), resumable run state (safetensors + JSON, atomic), periodic held-out
-acceptance, and the final head export. Must not touch: serving, the feature store.
+Owns: the offline loop over tokenised conversations (length-bucketed batches, target features
+computed once per batch and reused by all TTT steps), its progress bar, resumable run state
+(safetensors + JSON, atomic), periodic held-out acceptance, and the final head export. The update
+itself (AdamW, warmup + cosine, TTT loss under autocast, clipping) is ``trainer.step.train_step``,
+the one step every loop calls. Must not touch: serving, the feature store.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
 from adaptive_eagle.targets import Target
 from trainer.data import TokenizedExample
+from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
 from trainer.ttt import TTTBatch, acceptance_summary, ttt_loss
 
 
@@ -59,6 +60,15 @@ class TrainHeadConfig(BaseModel, frozen=True):
     eval_every: int = Field(100, ge=1, description="steps between held-out evaluations")
     eval_convs: int = Field(24, ge=1)
     checkpoint_minutes: float = Field(5.0, gt=0)
+
+    def step_config(self) -> StepConfig:
+        """What trainer.step.train_step needs from this recipe (bf16 None counts as off: resolve it first)."""
+        return StepConfig(ttt_steps=self.ttt_steps, step_decay=self.step_decay, max_loss_rows=self.max_loss_rows,
+                          grad_clip=self.grad_clip, bf16=bool(self.bf16))
+
+    def schedule(self, total_steps: int) -> WarmupCosine:
+        return WarmupCosine(lr=self.lr, total_steps=total_steps, warmup_steps=self.warmup_steps,
+                            min_lr_ratio=self.min_lr_ratio)
 
 
 @dataclass
@@ -127,7 +137,7 @@ def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7
     loss_sum, n_batches = 0.0, 0
     batch_list = cached if cached is not None else exact_batches(target, head, examples, max_len, batch_tokens)
     for batch in batch_list:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(batch.aux.device.type, dtype=torch.bfloat16, enabled=bool(bf16)):
             out = ttt_loss(head, batch, steps=steps)
         for k, v in (("correct", out.step_correct), ("count", out.step_count), ("accept", out.step_accept),
                      ("eligible", out.step_eligible)):
@@ -182,10 +192,8 @@ def restore_optimizer(opt, tensors: dict, meta: dict) -> None:
 
 
 def lr_at(step: int, total_steps: int, cfg: TrainHeadConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    """The recipe's learning rate at `step` (trainer.step.WarmupCosine)."""
+    return cfg.schedule(total_steps)(step)
 
 
 def shuffled(n: int, seed: int, epoch: int) -> list[int]:
@@ -199,6 +207,36 @@ def estimate_total_steps(cfg: TrainHeadConfig, examples) -> int:
     mean_len = sum(min(len(e.input_ids), cfg.max_len) for e in examples) / max(1, len(examples))
     per_batch = max(1, int(cfg.batch_tokens // max(1.0, mean_len))) * mean_len * 0.85
     return max(1, int(cfg.token_budget / per_batch))
+
+
+
+def _eval_record(state: RunState, summary: dict) -> dict:
+    """One entry of the run's history (held-out acceptance at this point of the run)."""
+    return {"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1),
+            "alpha": [round(a, 4) for a in summary["alpha"]],
+            "accept_length": round(summary["accept_length"], 4), "loss": round(summary["loss"], 4)}
+
+
+class _Progress:
+    """The tqdm bar: tokens, loss, recent per-step top-1 agreement (EWMA), lr, grad norm."""
+
+    def __init__(self, cfg: TrainHeadConfig, initial_tokens: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=cfg.token_budget, initial=min(initial_tokens, cfg.token_budget), unit="tok",
+                        unit_scale=True, disable=not enabled, dynamic_ncols=True, desc="train-head")
+        self.correct, self.count = [0.0] * cfg.ttt_steps, [0.0] * cfg.ttt_steps
+
+    def update(self, s: StepStats) -> None:
+        self.correct = [0.97 * a + b for a, b in zip(self.correct, s.step_correct)]
+        self.count = [0.97 * a + b for a, b in zip(self.count, s.step_count)]
+        acc = [c / n if n else 0.0 for c, n in zip(self.correct, self.count)]
+        self.bar.update(s.tokens)
+        self.bar.set_postfix(loss=f"{s.loss:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]), lr=f"{s.lr:.1e}",
+                             gn=f"{s.grad_norm:.2f}")
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def train_loop(
@@ -217,26 +255,20 @@ def train_loop(
     log: Callable[[str], None] = print,
 ) -> tuple[RunState, dict]:
     """Train until the token or time budget; checkpoint every cfg.checkpoint_minutes. Returns the
-    final state and the last held-out evaluation."""
-    from tqdm import tqdm
-
+    final state and the last held-out evaluation. Each update is trainer.step.train_step."""
     run_dir.mkdir(parents=True, exist_ok=True)
     state = state or RunState(history=[])
     state.history = state.history or []
     extra = extra or {}
-    params = head.trainable_parameters()
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = adamw(head, cfg.lr, cfg.weight_decay)
     if opt_tensors is not None:
         restore_optimizer(opt, opt_tensors, opt_meta)
-    total_steps = estimate_total_steps(cfg, train_examples)
+    schedule, step_cfg = cfg.schedule(estimate_total_steps(cfg, train_examples)), cfg.step_config()
     eval_cache = exact_batches(target, head, eval_examples, cfg.max_len, cfg.batch_tokens)
-    bar = tqdm(total=cfg.token_budget, initial=min(state.tokens, cfg.token_budget), unit="tok", unit_scale=True,
-               disable=not progress, dynamic_ncols=True, desc="train-head")
+    bar = _Progress(cfg, state.tokens, progress)
     last_ckpt = time.time()
     t_start, elapsed0, tokens0 = time.time(), state.elapsed_s, state.tokens
-    recent = {"correct": [0] * cfg.ttt_steps, "count": [0] * cfg.ttt_steps}
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
-    last_eval: dict = {}
     head.train()
 
     def done() -> bool:
@@ -250,35 +282,21 @@ def train_loop(
             if cursor < resume_from:
                 continue
             batch = make_ttt_batch(target, head, exs, cfg.max_len)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(state.step, total_steps, cfg)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                out = ttt_loss(head, batch, steps=cfg.ttt_steps, decay=cfg.step_decay,
-                               max_loss_rows=cfg.max_loss_rows, generator=gen)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            n_tok = int(batch.lengths.sum())
+            stats = train_step(head, batch, opt, schedule, step_cfg, step=state.step, generator=gen)
             state.step += 1
-            state.tokens += n_tok
+            state.tokens += stats.tokens
             state.cursor = cursor
             state.elapsed_s = elapsed0 + time.time() - t_start
-            for k, v in (("correct", out.step_correct), ("count", out.step_count)):
-                recent[k] = [0.97 * a + b for a, b in zip(recent[k], v)]
-            acc = [c / n if n else 0.0 for c, n in zip(recent["correct"], recent["count"])]
-            bar.update(n_tok)
-            bar.set_postfix(loss=f"{float(out.loss.detach()):.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]),
-                            lr=f"{opt.param_groups[0]['lr']:.1e}", gn=f"{float(gnorm):.2f}")
+            bar.update(stats)
+            if stats.skipped:
+                log(f"[warn] step {stats.step}: non-finite gradient norm {stats.grad_norm}; update skipped")
             if state.step % cfg.eval_every == 0:
-                last_eval = evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
-                state.history.append({"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1),
-                                      "alpha": [round(a, 4) for a in last_eval["alpha"]],
-                                      "accept_length": round(last_eval["accept_length"], 4),
-                                      "loss": round(last_eval["loss"], 4)})
+                summary = evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
+                state.history.append(_eval_record(state, summary))
+                rate = (state.tokens - tokens0) / max(1e-9, state.elapsed_s - elapsed0)
                 log(f"[eval] step {state.step} tokens {state.tokens} "
-                    f"alpha {' '.join(f'{a:.3f}' for a in last_eval['alpha'])} "
-                    f"accept_len {last_eval['accept_length']:.3f} ({(state.tokens - tokens0) / max(1e-9, state.elapsed_s - elapsed0):.0f} tok/s)")
+                    f"alpha {' '.join(f'{a:.3f}' for a in summary['alpha'])} "
+                    f"accept_len {summary['accept_length']:.3f} ({rate:.0f} tok/s)")
             if time.time() - last_ckpt >= cfg.checkpoint_minutes * 60:
                 save_run_state(run_dir, head, opt, state, cfg, extra)
                 last_ckpt = time.time()
@@ -289,8 +307,6 @@ def train_loop(
             state.cursor = 0
     bar.close()
     last_eval = evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
-    state.history.append({"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1),
-                          "alpha": [round(a, 4) for a in last_eval["alpha"]],
-                          "accept_length": round(last_eval["accept_length"], 4), "loss": round(last_eval["loss"], 4)})
+    state.history.append(_eval_record(state, last_eval))
     save_run_state(run_dir, head, opt, state, cfg, extra)
     return state, last_eval
