@@ -146,6 +146,7 @@ class ComputeTable:
     torch_version: str
     forward_ms: dict[str, dict[int, float]]  # mode -> {q: ms}
     measured_at: str = ""
+    busy: bool = False  # other work was running while it was timed: re-timed once the machine is quiet
 
     @property
     def key(self) -> str:
@@ -154,6 +155,7 @@ class ComputeTable:
     def to_json(self) -> str:
         return json.dumps({"scheme": TABLE_SCHEME, "machine": self.machine, "fingerprint": self.fingerprint,
                            "torch_version": self.torch_version, "measured_at": self.measured_at,
+                           "busy": self.busy,
                            "forward_ms": {m: {str(q): ms for q, ms in r.items()} for m, r in self.forward_ms.items()}},
                           indent=1, sort_keys=True) + "\n"
 
@@ -184,7 +186,7 @@ class ComputeTable:
         try:
             return cls(machine=str(raw["machine"]), fingerprint=str(raw["fingerprint"]),
                        torch_version=str(raw["torch_version"]), forward_ms=forward,
-                       measured_at=str(raw.get("measured_at", "")))
+                       measured_at=str(raw.get("measured_at", "")), busy=bool(raw.get("busy", False)))
         except KeyError as e:
             raise ComputeTableError(f"missing field {e}") from None
 
@@ -307,53 +309,81 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Probe:
+    """One model's forward of q tokens over a cached `prefix`-token cache, cut back after each run."""
+
+    def __init__(self, model: torch.nn.Module, top: int, prefix: int) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.prefix = model, prefix
+        self.device = next(model.parameters()).device
+        vocab = model.config.vocab_size
+        self.ids = torch.tensor([[(7 * i + 3) % vocab for i in range(prefix + top)]], device=self.device)
+        params = inspect.signature(model.forward).parameters  # transformers >= 5.24 renamed past_key_values
+        self.kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+        self.cache = DynamicCache()
+        model(input_ids=self.ids[:, :prefix], use_cache=True, **{self.kw: self.cache})
+        for _ in range(2):  # warm up kernels and the allocator at the largest size
+            self.forward(top)
+
+    def forward(self, q: int) -> None:
+        p = self.prefix
+        self.model(input_ids=self.ids[:, p:p + q], use_cache=True, **{self.kw: self.cache},
+                   position_ids=torch.arange(p, p + q, device=self.device)[None])
+        for layer in self.cache.layers:  # back to the prefix (Cache.crop's argument changed meaning across versions)
+            layer.keys, layer.values = layer.keys[..., :p, :], layer.values[..., :p, :]
+
+    def time(self, q: int) -> float:
+        self.forward(q)  # the first run at a new size warms up
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.forward(q)
+        _sync(self.device)
+        return (time.perf_counter() - t0) * 1e3
+
+
 @torch.inference_mode()
+def time_forwards(models: dict[str, torch.nn.Module], sizes: Sequence[int] = PROBE_SIZES,
+                  prefix: int = PROBE_PREFIX, reps: int = 3) -> dict[str, dict[int, float]]:
+    """{mode: {q: ms}}: the best of `reps` forwards per mode and size, the modes INTERLEAVED (every
+    round times each mode at each size) so that a burst of other load on the machine hits all modes
+    alike instead of deciding the ranking."""
+    probes = {m: _Probe(model, max(sizes), prefix) for m, model in models.items()}
+    out = {m: {q: math.inf for q in sizes} for m in models}
+    for _ in range(reps):
+        for q in sizes:
+            for m, probe in probes.items():
+                out[m][q] = min(out[m][q], probe.time(q))
+    return out
+
+
 def time_forward(model: torch.nn.Module, sizes: Sequence[int] = PROBE_SIZES, prefix: int = PROBE_PREFIX,
                  reps: int = 3) -> dict[int, float]:
-    """{q: ms}: the best of `reps` forwards of q tokens over a cached `prefix`-token cache, after a
-    warm-up at the largest size (the cache is cut back to the prefix after each forward)."""
-    from transformers import DynamicCache
+    """{q: ms} for one model (time_forwards with one mode)."""
+    return time_forwards({"model": model}, sizes, prefix, reps)["model"]
 
-    device = next(model.parameters()).device
-    vocab, top = model.config.vocab_size, max(sizes)
-    ids = torch.tensor([[(7 * i + 3) % vocab for i in range(prefix + top)]], device=device)
-    params = inspect.signature(model.forward).parameters  # transformers >= 5.24 renamed past_key_values
-    kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
-    cache = DynamicCache()
-    model(input_ids=ids[:, :prefix], use_cache=True, **{kw: cache})
 
-    def forward(q: int) -> None:
-        model(input_ids=ids[:, prefix:prefix + q], use_cache=True, **{kw: cache},
-              position_ids=torch.arange(prefix, prefix + q, device=device)[None])
-        for layer in cache.layers:  # back to the prefix (Cache.crop's argument changed meaning across versions)
-            layer.keys, layer.values = layer.keys[..., :prefix, :], layer.values[..., :prefix, :]
-
-    for _ in range(2):
-        forward(top)
-    out = {}
-    for q in sizes:
-        forward(q)
-        best = math.inf
-        for _ in range(reps):
-            _sync(device)
-            t0 = time.perf_counter()
-            forward(q)
-            _sync(device)
-            best = min(best, (time.perf_counter() - t0) * 1e3)
-        out[q] = best
-    return out
+def machine_busy(threshold: float = 0.5) -> bool:
+    """Whether other work is running (1-minute load average above `threshold` per usable core):
+    timings taken now would be noisy."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return False
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return load > threshold * cores
 
 
 def measure_table(make_model: Callable[[str], torch.nn.Module], modes: Sequence[str], machine: str,
                   fingerprint: str, reps: int = 3) -> ComputeTable:
-    """Time each mode's model (built by make_model(mode), dropped after) over PROBE_SIZES."""
-    rows = {}
-    for mode in modes:
-        model = make_model(mode)
-        rows[mode] = time_forward(model, PROBE_SIZES, PROBE_PREFIX, reps)
-        del model
+    """Time every mode's model (built by make_model(mode), all held at once, dropped after) over
+    PROBE_SIZES, interleaved; `busy` records whether other work was running when timing started."""
+    busy = machine_busy()
+    models = {mode: make_model(mode) for mode in modes}
+    rows = time_forwards(models, PROBE_SIZES, PROBE_PREFIX, reps)
+    del models
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return ComputeTable(machine, fingerprint, torch.__version__, rows, now)
+    return ComputeTable(machine, fingerprint, torch.__version__, rows, now, busy)
 
 
 def read_table(path: Path, machine: str, fingerprint: str, modes: Sequence[str]) -> ComputeTable:
@@ -391,7 +421,11 @@ def cached_table(folder: Path, make_model: Callable[[str], torch.nn.Module], mod
     notes: tuple[str, ...] = ()
     if path.exists() and not refresh:
         try:
-            return read_table(path, machine, fingerprint, modes), "cache", ()
+            table = read_table(path, machine, fingerprint, modes)
+            if not (table.busy and not machine_busy()):
+                return table, "cache", ()
+            notes = (f"cached compute table {path} was timed while the machine was busy; re-measured now that "
+                     "it is quiet",)
         except ComputeTableError as e:
             notes = (f"cached compute table {path} refused: {e}; re-measured",)
     table = measure_table(make_model, modes, machine, fingerprint, reps)

@@ -12,6 +12,12 @@ from adaptive_eagle import compute as C
 from adaptive_eagle.cpu_linear import fbgemm_fp16_available
 from adaptive_eagle.targets import describe_compute, load_target, tiny_target
 
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """Timings in these tests never depend on how busy the machine running them is."""
+    monkeypatch.setattr(C, "machine_busy", lambda threshold=0.5: False)
+
 DEVICE = os.environ.get("ADAPTIVE_EAGLE_TEST_DEVICE", "cpu")  # bench/gpu_check.sh sets cuda
 SIZES = C.PROBE_SIZES
 
@@ -140,7 +146,8 @@ def test_table_is_measured_once_then_read_from_the_cache(tmp_path, tiny_models):
 def test_corrupt_cache_is_refused_with_a_reason_and_remeasured(tmp_path, monkeypatch, corrupt, reason):
     calls = []
     make = calls.append  # the timing is faked here: this test is about the file
-    monkeypatch.setattr(C, "time_forward", lambda model, sizes, prefix, reps: {q: 1.0 + q for q in sizes})
+    monkeypatch.setattr(C, "time_forwards", lambda models, sizes, prefix, reps: {
+        m: {q: 1.0 + q for q in sizes} for m in models})
     C.cached_table(tmp_path, make, ("bf16", "fp32"), "cpu:test", "fp:tiny", reps=1)
     path = tmp_path / f"{C.table_key('cpu:test', 'fp:tiny')}.json"
     path.write_text(corrupt(json.loads(path.read_text())))
@@ -156,6 +163,22 @@ def test_time_forward_sizes(tiny_models):
     make, _ = tiny_models
     ms = C.time_forward(make("fp32"), sizes=(1, 4), prefix=8, reps=1)
     assert set(ms) == {1, 4} and all(v > 0 for v in ms.values())
+    both = C.time_forwards({"fp32": make("fp32"), "bf16": make("bf16")}, sizes=(1, 2), prefix=8, reps=2)
+    assert set(both) == {"fp32", "bf16"} and all(set(r) == {1, 2} for r in both.values())
+
+
+def test_a_table_timed_on_a_busy_machine_is_retimed_once_it_is_quiet(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(C, "time_forwards", lambda models, sizes, prefix, reps: {
+        m: {q: 1.0 + q for q in sizes} for m in models})
+    monkeypatch.setattr(C, "machine_busy", lambda threshold=0.5: True)
+    table, source, _ = C.cached_table(tmp_path, calls.append, ("fp32",), "cpu:test", "fp:tiny", reps=1)
+    assert source == "measured" and table.busy
+    assert C.cached_table(tmp_path, calls.append, ("fp32",), "cpu:test", "fp:tiny")[1] == "cache"  # still busy
+    monkeypatch.setattr(C, "machine_busy", lambda threshold=0.5: False)
+    table, source, notes = C.cached_table(tmp_path, calls.append, ("fp32",), "cpu:test", "fp:tiny", reps=1)
+    assert source == "measured" and not table.busy and "busy" in notes[0]
+    assert C.cached_table(tmp_path, calls.append, ("fp32",), "cpu:test", "fp:tiny")[1] == "cache"
 
 
 # ---- load_target on a tiny bf16 checkpoint ---------------------------------------------------------
