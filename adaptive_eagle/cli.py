@@ -158,9 +158,12 @@ def target_info(
 
     try:
         tgt = load_target(target, compute=compute)
+        if remeasure:  # re-time the modes, then load again so that the choice reflects the new table
+            describe_compute(tgt, refresh=True)
+            tgt = load_target(target, compute=compute)
     except ValueError as e:
         fail(str(e))
-    facts = {**target_facts(tgt), "compute": describe_compute(tgt, measure=True, refresh=remeasure)}
+    facts = {**target_facts(tgt), "compute": describe_compute(tgt, measure=True)}
     typer.echo(json.dumps(facts, indent=2))
 
 
