@@ -87,7 +87,7 @@ class SuffixIndexStats:
 @dataclass
 class _Partition:
     keys: np.ndarray  # [R] void(4 * max_match): reversed preceding tokens, big-endian, sorted
-    row_doc: np.ndarray  # [R] int64 document slot
+    row_slot: np.ndarray  # [R] int64 document slot
     row_pos: np.ndarray  # [R] int64 position of the next token in its document
 
 
@@ -176,7 +176,7 @@ class SuffixIndex:
                 documents=self._documents, tokens_held=self._tokens_held,
                 index_rows=sum(p.keys.size for p in parts), tenants=len(self._tenant_slots),
                 memory_bytes=self._arena.nbytes + slot_bytes
-                + sum(p.keys.nbytes + p.row_doc.nbytes + p.row_pos.nbytes for p in parts),
+                + sum(p.keys.nbytes + p.row_slot.nbytes + p.row_pos.nbytes for p in parts),
                 proposals=self._proposals, hits=self._hits, added=self._added, evicted=self._evicted)
 
     def propose(self, context: Sequence[int] | np.ndarray | torch.Tensor, max_nodes: int,
@@ -198,7 +198,7 @@ class SuffixIndex:
             lo, hi = self._longest_match(part.keys, query)
             if hi <= lo:
                 return None
-            slots, pos = part.row_doc[lo:hi], part.row_pos[lo:hi]
+            slots, pos = part.row_slot[lo:hi], part.row_pos[lo:hi]
             if hi - lo > cfg.max_occurrences:  # the most recently added documents, then latest positions
                 recent = np.argpartition(-(self._slot_added[slots] * (1 << 31) + pos), cfg.max_occurrences - 1)
                 slots, pos = slots[recent[: cfg.max_occurrences]], pos[recent[: cfg.max_occurrences]]
@@ -334,7 +334,7 @@ class SuffixIndex:
             return
         at = np.searchsorted(part.keys, keys, "left")
         part.keys = np.insert(part.keys, at, keys)
-        part.row_doc = np.insert(part.row_doc, at, slot)
+        part.row_slot = np.insert(part.row_slot, at, slot)
         part.row_pos = np.insert(part.row_pos, at, pos)
 
     def _least_recent(self, slots: Iterable[int], tokens: int) -> list[int]:
@@ -370,8 +370,8 @@ class SuffixIndex:
             by_partition.setdefault(self._partition_of(tenant), []).append(slot)
         for name, slots in by_partition.items():
             part = self._partitions[name]
-            keep = ~np.isin(part.row_doc, slots)
-            part.keys, part.row_doc, part.row_pos = part.keys[keep], part.row_doc[keep], part.row_pos[keep]
+            keep = ~np.isin(part.row_slot, slots)
+            part.keys, part.row_slot, part.row_pos = part.keys[keep], part.row_slot[keep], part.row_pos[keep]
             if part.keys.size == 0:
                 del self._partitions[name]
         self._evicted += len(gone)
