@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from adaptive_eagle.binding import (CalibrationStore, HeadBinding, HeadRefused, SwapResult, make_binding)
-from adaptive_eagle.costmodel import VerifyCost, best_prefix, min_useful_prob
+from adaptive_eagle.costmodel import DraftGate, VerifyCost, best_prefix, min_useful_prob
 from adaptive_eagle.draft_head import DraftKVCache, Eagle3DraftHead
 from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
 from adaptive_eagle.suffix_index import SuffixIndex, SuffixIndexConfig
@@ -120,6 +120,7 @@ class Proposal:
     eagle_paths: frozenset = frozenset()  # token paths the draft head proposed
     lookup: tuple[int, ...] = ()  # the prompt-lookup chain as offered (a prefix of the tree's paths)
     suffix: dict = field(default_factory=dict)  # token path -> empirical probability (suffix index)
+    head_drafted: bool = False  # the head ran this step (its cost was paid even if the pruning kept none)
 
     def offered(self) -> dict[str, int]:
         return {"eagle": len(self.eagle_paths), "lookup": len(self.lookup), "suffix": len(self.suffix)}
@@ -163,6 +164,7 @@ class SpeculativeEngine:
         self.verify_cost = VerifyCost()
         self.overhead_ms = 0.0  # moving average of a step's time outside the verify forward (drafting, upkeep)
         self.rate = float("nan")  # moving average of committed tokens per ms
+        self.gate = DraftGate()  # does drafting with the bound head pay on this machine? (reset by set_head)
         head, version, metrics = _unpack_head(head, head_version)
         try:
             self._binding = make_binding(head, version, target, self.calibrations, metrics)
@@ -208,6 +210,7 @@ class SpeculativeEngine:
         if self._needs_costs(binding) and not self.verify_cost.points:
             self.measure_verify_cost()
         old, self._binding = self._binding, binding  # the flip: one reference assignment
+        self.gate = DraftGate()
         self.calibrations.save(old, self.target.fingerprint, force=True)
         ms = (time.perf_counter() - t0) * 1e3
         what = f"head {version}" if head is not None else "plain decoding"
@@ -283,9 +286,11 @@ class SpeculativeEngine:
             self.verify_cost.points[q] = best
         return measured
 
-    def _timed(self, t_step: float, t_verify: float, t_done: float, q: int, committed: int, decay: float = 0.9) -> None:
+    def _timed(self, t_step: float, t_verify: float, t_done: float, q: int, committed: int, decay: float = 0.9
+               ) -> float:
         """Follow this machine's costs: the verify forward of q tokens; everything else in the step
-        (drafting, acceptance, cache upkeep, feeding the head) as the step's fixed cost; the rate."""
+        (drafting, acceptance, cache upkeep, feeding the head) as the step's fixed cost; the rate.
+        Returns the step's ms."""
         now = self._clock()
         forward, step = (t_done - t_verify) * 1e3, (now - t_step) * 1e3
         self.verify_cost.observe(q, forward)
@@ -293,6 +298,7 @@ class SpeculativeEngine:
         self.overhead_ms = decay * self.overhead_ms + (1 - decay) * fixed if self.overhead_ms else fixed
         rate = committed / max(1e-6, step)
         self.rate = rate if not math.isfinite(self.rate) else decay * self.rate + (1 - decay) * rate
+        return step
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -405,9 +411,10 @@ class SpeculativeEngine:
         return cont, suffix
 
     def _propose(self, binding: HeadBinding, context: list[int], feed: "_HeadFeed | None", root_pos: int,
-                 split: BudgetSplit, tenant: str) -> Proposal:
-        """This step's draft tree: the head's dynamic tree, the lookup chain and the suffix-index tree
-        merged, their node budget split by measured acceptance; then (cost-aware) the part that pays."""
+                 split: BudgetSplit, tenant: str, head_ok: bool = True) -> Proposal:
+        """This step's draft tree: the head's dynamic tree (unless `head_ok` is False: the gate found
+        drafting with the head does not pay now), the lookup chain and the suffix-index tree merged,
+        their node budget split by measured acceptance; then (cost-aware) the part that pays."""
         cfg, cal = self.config, binding.calibration
         budget = cfg.num_draft_tokens
         cont, suffix = self._model_free(context, tenant)
@@ -418,14 +425,14 @@ class SpeculativeEngine:
             (len(cont) >= 2 and cal.lookup(1) >= LOOKUP_SURE)
             or (suffix is not None and float(cal.suffix(suffix.scores[:1].exp())[0]) >= LOOKUP_SURE))
         alloc = split.allocate(budget, {"lookup": len(cont), "suffix": suffix.size if suffix is not None else 0})
-        if feed is not None and not sure:
+        if feed is not None and not sure and head_ok:
             min_prob = cfg.min_path_prob
             if cfg.cost_aware:  # 0 until a rate has been measured
                 min_prob = max(min_prob, min_useful_prob(self.verify_cost, budget, self.rate))
             tree = self._draft(binding.head, feed.cache, feed.root(), root_pos, alloc["eagle"], min_prob)
-            eagle_paths = frozenset(tree.token_paths)
+            eagle_paths, drafted = frozenset(tree.token_paths), True
         else:
-            tree, eagle_paths = EMPTY_TREE, frozenset()
+            tree, eagle_paths, drafted = EMPTY_TREE, frozenset(), False
             alloc = {"lookup": len(cont), "suffix": budget}
         lookup = cont[: alloc.get("lookup", 0)]
         if lookup:
@@ -435,7 +442,7 @@ class SpeculativeEngine:
             part = subset_tree(suffix, list(range(min(suffix.size, alloc["suffix"]))))
             suffix_probs = dict(zip(part.token_paths, part.scores.exp().tolist()))
             tree = merge_trees(tree, part, budget) if tree.size else part
-        p = Proposal(tree, eagle_paths, tuple(lookup), suffix_probs)
+        p = Proposal(tree, eagle_paths, tuple(lookup), suffix_probs, drafted)
         if cfg.cost_aware and tree.size:
             keep = best_prefix(self._accept_estimates(binding, p), tree.parents, tree.depths, self.verify_cost,
                                self.overhead_ms)
@@ -501,7 +508,8 @@ class SpeculativeEngine:
             root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
             t_step = time.perf_counter()
             # draft
-            p = self._propose(binding, prompt_ids + generated, feed, root_pos, split, tenant)
+            head_ok = feed is None or not self.config.cost_aware or self.gate.allow(1.0 / (self.verify_cost(1) * 1.05))
+            p = self._propose(binding, prompt_ids + generated, feed, root_pos, split, tenant, head_ok)
             tree = p.tree
             # verify: the whole tree in one target forward
             t_verify = time.perf_counter()
@@ -524,7 +532,9 @@ class SpeculativeEngine:
             if capture:
                 captured.append(aux.index_select(0, rows).float().cpu())
             if self.config.cost_aware:
-                self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))
+                step_ms = self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))
+                if p.head_drafted or not head_ok:  # steps the gate decided (not copy runs, where lookup is sure)
+                    self.gate.observe(p.head_drafted, len(new), step_ms)
             visible, finish = self._cut(generated, sampling, stop)
         if self.suffix_index is not None:
             self.suffix_index.add(visible, tenant)
@@ -605,4 +615,5 @@ def _restrict(p: Proposal, tree: DraftTree) -> Proposal:
     n = 0
     while n < len(p.lookup) and p.lookup[: n + 1] in kept:
         n += 1
-    return Proposal(tree, p.eagle_paths & kept, p.lookup[:n], {q: v for q, v in p.suffix.items() if q in kept})
+    return Proposal(tree, p.eagle_paths & kept, p.lookup[:n], {q: v for q, v in p.suffix.items() if q in kept},
+                    p.head_drafted)

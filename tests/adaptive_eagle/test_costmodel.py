@@ -91,3 +91,18 @@ def test_min_useful_prob_scales_with_the_marginal_verify_cost():
     flat, steep = VerifyCost({1: 10.0, 17: 10.0}), VerifyCost({1: 10.0, 17: 90.0})
     assert min_useful_prob(flat, 16, rate=0.05) == 0.0
     assert abs(min_useful_prob(steep, 16, rate=0.05) - 0.25) < 1e-9
+
+
+def test_draft_gate_skips_the_head_when_it_loses_and_keeps_probing():
+    from adaptive_eagle.costmodel import DraftGate
+
+    gate = DraftGate(probe_every=4)
+    assert gate.allow(plain_estimate=0.03)  # nothing measured: draft
+    gate.observe(True, tokens=1, ms=50.0)  # 0.02 tokens/ms < 0.03: drafting loses
+    decisions = [gate.allow(0.03) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]  # a probe every 4th step
+    for _ in range(10):
+        gate.observe(True, tokens=4, ms=60.0)  # the text turned predictable: 0.067 tokens/ms
+    assert gate.allow(0.03) and gate.allow(0.03)
+    gate.observe(False, tokens=1, ms=10.0)  # a measured plain step beats the estimate
+    assert gate.plain_rate == 0.1 and not gate.allow(0.03)
