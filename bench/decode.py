@@ -54,15 +54,7 @@ WORKLOADS = ("english", "repetitive", "agent")
 
 
 def english_prompts(conversations, n: int, max_chars: int = 1200) -> list[str]:
-    convs = D.select(conversations, domains=["english"], split="heldout")
-    out = []
-    for c in convs:
-        first = next((m.content for m in c.messages if m.role == "user"), "")
-        if 20 <= len(first) <= max_chars:
-            out.append(first)
-        if len(out) == n:
-            break
-    return out
+    return D.first_user_messages(conversations, n, domains=["english"], split="heldout", max_chars=max_chars)
 
 
 def code_rewrite_prompts(conversations, n: int) -> list[str]:

@@ -20,14 +20,7 @@ from trainer import data as D
 
 def training_prompts(n: int, domains=("english",), max_chars: int = 1200) -> list[str]:
     """The first user message of the first `n` training-split conversations of `domains`."""
-    out = []
-    for c in D.select(D.load_sharegpt(), domains=list(domains), split="train"):
-        first = next((m.content for m in c.messages if m.role == "user"), "")
-        if 20 <= len(first) <= max_chars:
-            out.append(first)
-        if len(out) == n:
-            break
-    return out
+    return D.first_user_messages(D.load_sharegpt(), n, domains=domains, split="train", max_chars=max_chars)
 
 
 def run_calibrate_head(head_dir: Path, target: Target | str | None = None, n_prompts: int = 16,

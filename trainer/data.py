@@ -247,3 +247,17 @@ def domain_counts(conversations: Iterable[Conversation]) -> dict[str, int]:
     for c in conversations:
         counts[c.domain] += 1
     return counts
+
+
+def first_user_messages(conversations: Iterable[Conversation], n: int, *, domains: Iterable[str], split: str,
+                        min_chars: int = 20, max_chars: int = 1200) -> list[str]:
+    """The first user message of the first `n` conversations of `domains` in `split` whose first
+    message has min_chars..max_chars characters (prompts for benchmarks and calibration)."""
+    out = []
+    for c in select(conversations, domains=list(domains), split=split):
+        first = next((m.content for m in c.messages if m.role == "user"), "")
+        if min_chars <= len(first) <= max_chars:
+            out.append(first)
+        if len(out) == n:
+            break
+    return out

@@ -13,7 +13,8 @@ from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.trace import SamplingParams
 from tests.adaptive_eagle.test_engine import DEVICE, plain_greedy, tiny_setup
 
-FIXED = dict(depth=4, topk=3, num_draft_tokens=10, cost_aware=False, prompt_lookup=False, suffix_drafting=False)
+FIXED = dict(depth=4, topk=3, num_draft_tokens=10, cost_aware=False, prompt_lookup=False, suffix_drafting=False,
+             calibration_dir="")  # nothing persisted into the user's cache by tests
 
 
 def other_head(target, seed):
@@ -29,7 +30,7 @@ def other_head(target, seed):
 def test_swap_mid_request_finishes_on_the_bound_head_and_the_next_request_uses_the_new_one(tmp_path):
     target, v1 = tiny_setup(seed=0)
     v2 = other_head(target, seed=99)
-    cfg = EngineConfig(**FIXED, calibration_dir=str(tmp_path))
+    cfg = EngineConfig(**{**FIXED, "calibration_dir": str(tmp_path)})
     engine = SpeculativeEngine(target, v1, cfg, head_version="v1")
     prompt, sp = [5, 9, 3, 17, 4], SamplingParams(max_tokens=24)
     engine.eos_ids = set()

@@ -28,6 +28,23 @@ def tiny_setup(seed=0, vocab=32, dtype=torch.float64, draft_vocab=None):
     return target, head.to(dtype).to(DEVICE)
 
 
+def exact_marginals(target, prompt, vocab):
+    """The target's exact marginals of the 2nd and 3rd sampled tokens after `prompt` (enumerated)."""
+    def dist(ids):
+        with torch.no_grad():
+            return torch.softmax(target.model(torch.tensor([ids], device=target.device)).logits[0, -1].double(), -1).cpu()
+
+    p1 = dist(prompt)
+    p2 = torch.zeros(vocab, dtype=torch.float64)
+    p3 = torch.zeros(vocab, dtype=torch.float64)
+    for a in range(vocab):
+        pa = dist(prompt + [a])
+        p2 += p1[a] * pa
+        for b in range(vocab):
+            p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    return p2, p3
+
+
 def plain_greedy(target, prompt, n):
     ids = torch.tensor([prompt], device=target.device)
     with torch.no_grad():
@@ -146,18 +163,7 @@ def test_sampling_keeps_the_target_distribution():
     engine.eos_ids = set()  # tiny vocab: keep EOS as an ordinary token
     prompt = [3, 4]
 
-    def dist(ids):
-        with torch.no_grad():
-            return torch.softmax(target.model(torch.tensor([ids], device=target.device)).logits[0, -1].double(), -1).cpu()
-
-    p1 = dist(prompt)
-    p2 = torch.zeros(8, dtype=torch.float64)
-    p3 = torch.zeros(8, dtype=torch.float64)
-    for a in range(8):
-        pa = dist(prompt + [a])
-        p2 += p1[a] * pa
-        for b in range(8):
-            p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    p2, p3 = exact_marginals(target, prompt, 8)
     g = torch.Generator().manual_seed(0)
     n = 1500
     c2, c3 = torch.zeros(8), torch.zeros(8)

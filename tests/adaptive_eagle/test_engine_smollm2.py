@@ -31,8 +31,8 @@ def fp32_setup():
 @pytest.mark.parametrize("tree", [dict(depth=4, topk=1, num_draft_tokens=4), dict(depth=5, topk=4, num_draft_tokens=16)])
 def test_smollm2_greedy_equals_plain(fp32_setup, tree):
     target, head, version = fp32_setup
-    spec = SpeculativeEngine(target, head, EngineConfig(**tree), head_version=version)
-    plain = SpeculativeEngine(target, None, EngineConfig(prompt_lookup=False))
+    spec = SpeculativeEngine(target, head, EngineConfig(**tree, calibration_dir=""), head_version=version)
+    plain = SpeculativeEngine(target, None, EngineConfig.plain())
     sp = SamplingParams(max_tokens=40)
     steps = tokens = 0
     for p in PROMPTS:

@@ -6,7 +6,7 @@ import torch
 from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.suffix_index import SuffixIndex, SuffixIndexConfig
 from adaptive_eagle.trace import SamplingParams
-from tests.adaptive_eagle.test_engine import plain_greedy, tiny_setup
+from tests.adaptive_eagle.test_engine import exact_marginals, plain_greedy, tiny_setup
 
 SUFFIX_ONLY = dict(prompt_lookup=False, suffix_drafting=True, cost_aware=False, num_draft_tokens=8)
 
@@ -56,17 +56,7 @@ def test_sampling_with_suffix_drafts_keeps_the_target_distribution():
     engine.eos_ids = set()
     prompt = [3, 4]
 
-    def dist(ids):
-        with torch.no_grad():
-            return torch.softmax(target.model(torch.tensor([ids], device=target.device)).logits[0, -1].double(), -1).cpu()
-
-    p1 = dist(prompt)
-    p2, p3 = torch.zeros(8, dtype=torch.float64), torch.zeros(8, dtype=torch.float64)
-    for a in range(8):
-        pa = dist(prompt + [a])
-        p2 += p1[a] * pa
-        for b in range(8):
-            p3 += p1[a] * pa[b] * dist(prompt + [a, b])
+    p2, p3 = exact_marginals(target, prompt, 8)
     g = torch.Generator().manual_seed(1)
     n = 1500
     c2, c3 = torch.zeros(8), torch.zeros(8)
