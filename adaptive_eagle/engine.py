@@ -200,15 +200,15 @@ class SpeculativeEngine:
         on the caller's thread, then flip the binding. Requests in flight finish on the head they
         started with; requests that start later use the new one. A refused head changes nothing."""
         t0 = time.perf_counter()
-        head, version, metrics = _unpack_head(head, version)
         try:
+            head, version, metrics = _unpack_head(head, version)
             binding = make_binding(head, version, self.target, self.calibrations, metrics)
-        except HeadRefused as e:
+        except (HeadRefused, GenerationError) as e:
             ms = (time.perf_counter() - t0) * 1e3
             return SwapResult(False, f"refused {version or 'head'}: {e}; {self.head_version or 'plain decoding'} "
                                      "keeps serving", self.head_version, ms)
-        if self._needs_costs(binding) and not self.verify_cost.points:
-            self.measure_verify_cost()
+        # the verify-cost table, if still missing, is measured by the next request on the decode
+        # thread: timing forwards here would run the target concurrently with a request in flight
         old, self._binding = self._binding, binding  # the flip: one reference assignment
         self.gate = DraftGate()
         self.calibrations.save(old, self.target.fingerprint, force=True)
@@ -479,7 +479,9 @@ class SpeculativeEngine:
         sampling = sampling or SamplingParams()
         prompt_ids = self.encode(prompt)
         self._check_limits(len(prompt_ids), sampling)
-        binding = self._binding  # this request drafts, calibrates and reports with this head to the end
+        binding, gate = self._binding, self.gate  # this request drafts, calibrates and reports with this head
+        if self._needs_costs(binding) and not self.verify_cost.points:
+            self.measure_verify_cost()  # a head was installed into an engine that started without drafting
         t0 = time.perf_counter()
         from transformers import DynamicCache
 
@@ -508,7 +510,7 @@ class SpeculativeEngine:
             root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
             t_step = time.perf_counter()
             # draft
-            head_ok = feed is None or not self.config.cost_aware or self.gate.allow(1.0 / (self.verify_cost(1) * 1.05))
+            head_ok = feed is None or not self.config.cost_aware or gate.allow(1.0 / (self.verify_cost(1) * 1.05))
             p = self._propose(binding, prompt_ids + generated, feed, root_pos, split, tenant, head_ok)
             tree = p.tree
             # verify: the whole tree in one target forward
@@ -534,7 +536,7 @@ class SpeculativeEngine:
             if self.config.cost_aware:
                 step_ms = self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))
                 if p.head_drafted or not head_ok:  # steps the gate decided (not copy runs, where lookup is sure)
-                    self.gate.observe(p.head_drafted, len(new), step_ms)
+                    gate.observe(p.head_drafted, len(new), step_ms)
             visible, finish = self._cut(generated, sampling, stop)
         if self.suffix_index is not None:
             self.suffix_index.add(visible, tenant)

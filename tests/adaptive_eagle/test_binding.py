@@ -179,3 +179,19 @@ def test_calibration_dict_roundtrip_and_refusals():
     bad["eagle"]["accepted"][0] = 5.0
     with pytest.raises(ValueError, match="eagle"):
         AcceptCalibration.from_dict(bad)
+
+
+def test_set_head_refuses_what_is_not_a_head_without_raising():
+    target, v1 = tiny_setup(seed=7)
+    engine = SpeculativeEngine(target, v1, EngineConfig(**FIXED), head_version="v1")
+    res = engine.set_head("heads/some-dir", "v9")
+    assert not res.ok and "Eagle3DraftHead" in res.message and engine.head_version == "v1"
+
+
+def test_a_head_installed_into_a_plain_engine_gets_the_verify_cost_measured_by_the_next_request():
+    target, v1 = tiny_setup(seed=8)
+    engine = SpeculativeEngine(target, None, EngineConfig.plain())
+    assert not engine.verify_cost.points
+    assert engine.set_head(v1, "v1").ok and not engine.verify_cost.points  # nothing timed on the caller's thread
+    res = engine.generate([3, 4, 5], SamplingParams(max_tokens=8))
+    assert engine.verify_cost.points and res.head_version == "v1"
