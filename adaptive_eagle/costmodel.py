@@ -188,33 +188,46 @@ class DraftGate:
     """Whether drafting with the head pays right now, judged by what it delivered: an exponential
     moving average of committed tokens per ms of the steps that drafted with the head, against the
     steps that did not (model-free drafts only, or a plain step). best_prefix sizes a tree once the
-    head has drafted; this decides whether to pay for the head at all. When drafting loses, the head
-    still drafts every `probe_every` steps so the gate notices when the text turns predictable."""
+    head has drafted; this decides whether to pay for the head at all. Both sides keep being
+    measured: while the head loses it still drafts every `probe_every` steps (so the gate notices
+    when the text turns predictable); while it wins, every `probe_winner_every` steps go without it
+    (so the gate notices when model-free drafts alone do as well, e.g. when a request copies)."""
 
     decay: float = 0.8
     probe_every: int = 8
+    probe_winner_every: int = 16
     draft_rate: float = math.nan  # tokens/ms of steps that drafted with the head
     plain_rate: float = math.nan  # tokens/ms of steps that did not
-    skipped: int = 0  # steps in a row without the head
+    skipped: int = 0  # steps in a row without the head (while it loses)
+    drafted: int = 0  # steps in a row with the head (while it wins)
 
     def allow(self, plain_estimate: float) -> bool:
         """plain_estimate: tokens/ms of a step without the head before one was measured."""
         plain = self.plain_rate if math.isfinite(self.plain_rate) else plain_estimate
-        if not math.isfinite(self.draft_rate) or self.draft_rate >= plain or self.skipped + 1 >= self.probe_every:
+        if not math.isfinite(self.draft_rate):
+            return True
+        if self.draft_rate >= plain:
+            self.skipped = 0
+            self.drafted += 1
+            if self.drafted >= self.probe_winner_every:
+                self.drafted = 0
+                return False
+            return True
+        self.drafted = 0
+        self.skipped += 1
+        if self.skipped >= self.probe_every:
             self.skipped = 0
             return True
-        self.skipped += 1
         return False
 
     def observe(self, drafted: bool, tokens: int, ms: float) -> None:
         rate = tokens / max(1e-6, ms)
+        old = self.draft_rate if drafted else self.plain_rate
+        new = rate if not math.isfinite(old) else self.decay * old + (1 - self.decay) * rate
         if drafted:
-            self.skipped = 0
-            old = self.draft_rate
-            self.draft_rate = rate if not math.isfinite(old) else self.decay * old + (1 - self.decay) * rate
+            self.draft_rate = new
         else:
-            old = self.plain_rate
-            self.plain_rate = rate if not math.isfinite(old) else self.decay * old + (1 - self.decay) * rate
+            self.plain_rate = new
 
 
 def best_prefix(accept: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, verify_ms, draft_ms: float

@@ -93,16 +93,18 @@ def test_min_useful_prob_scales_with_the_marginal_verify_cost():
     assert abs(min_useful_prob(steep, 16, rate=0.05) - 0.25) < 1e-9
 
 
-def test_draft_gate_skips_the_head_when_it_loses_and_keeps_probing():
+def test_draft_gate_skips_the_head_when_it_loses_and_keeps_probing_both_sides():
     from adaptive_eagle.costmodel import DraftGate
 
-    gate = DraftGate(probe_every=4)
+    gate = DraftGate(probe_every=4, probe_winner_every=5)
     assert gate.allow(plain_estimate=0.03)  # nothing measured: draft
     gate.observe(True, tokens=1, ms=50.0)  # 0.02 tokens/ms < 0.03: drafting loses
     decisions = [gate.allow(0.03) for _ in range(8)]
     assert decisions == [False, False, False, True, False, False, False, True]  # a probe every 4th step
     for _ in range(10):
         gate.observe(True, tokens=4, ms=60.0)  # the text turned predictable: 0.067 tokens/ms
-    assert gate.allow(0.03) and gate.allow(0.03)
-    gate.observe(False, tokens=1, ms=10.0)  # a measured plain step beats the estimate
-    assert gate.plain_rate == 0.1 and not gate.allow(0.03)
+    decisions = [gate.allow(0.03) for _ in range(10)]
+    assert decisions == [True, True, True, True, False] * 2  # winning: a step without the head every 5th
+    for _ in range(10):
+        gate.observe(False, tokens=4, ms=40.0)  # model-free drafts alone now do better: 0.1 tokens/ms
+    assert not gate.allow(0.03)
