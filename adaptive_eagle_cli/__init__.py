@@ -3,7 +3,8 @@ commands. It sits above all of them; none of them imports it.
 
 Top level: the core's commands (adaptive_eagle.cli: generate, target-info, export-head,
 import-head), the trainer's (trainer.cli: train-head, eval-head, data-stats) and the demo
-(adaptive_eagle_cli.demo); `store ...` is the feature store's sub-app (feature_store.cli).
+(adaptive_eagle_cli.demo); `store ...` is the feature store's sub-app (feature_store.cli) and
+`heads ...` the head registry's (adaptive_eagle.heads_cli).
 Serving and policies mount their commands here when they have some.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import typer
 
 from adaptive_eagle.cli import app as core_app
+from adaptive_eagle.heads_cli import heads_app
 from adaptive_eagle_cli.demo import demo_app
 from feature_store.cli import store_app
 from trainer.cli import trainer_app
@@ -30,6 +32,7 @@ app.add_typer(trainer_app)
 app.add_typer(core_app)
 app.add_typer(demo_app)
 app.add_typer(store_app, name="store")
+app.add_typer(heads_app, name="heads")
 
 
 def main() -> None:  # pragma: no cover
