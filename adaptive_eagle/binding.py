@@ -206,5 +206,7 @@ def make_binding(head: Eagle3DraftHead | None, version: str | None, target: Targ
         calibration, source = store.load(version, target.fingerprint, target.compute), "cache"
         if calibration is None:
             calibration, source = seed_calibration(metrics, target.fingerprint), "head.json"
+    if calibration is not None:  # carried over from other traffic: a head start that live evidence overrules
+        calibration = calibration.damped()
     return HeadBinding(prepared, version, calibration or AcceptCalibration(), target.compute, label,
                        source if calibration is not None else "prior")

@@ -147,6 +147,23 @@ class AcceptCalibration:
     def observations(self) -> float:
         return self.eagle_buckets.observations + self.suffix_buckets.observations + sum(self.lookup_tries)
 
+    def damped(self, max_offered: float = 50.0, max_lookup_tries: float = 8.0) -> "AcceptCalibration":
+        """A copy whose counts weigh at most `max_offered` nodes per probability bucket and
+        `max_lookup_tries` lookup runs per depth, rates unchanged: a calibration carried over from
+        other traffic (a cache, head.json) starts the engine off right but yields to live evidence
+        within a few requests. Lookup acceptance is mostly a property of the traffic (is the request
+        copying?), so it is damped harder than the head's own calibration."""
+        out = AcceptCalibration()
+        for src, dst in ((self.eagle_buckets, out.eagle_buckets), (self.suffix_buckets, out.suffix_buckets)):
+            for b, (o, a) in enumerate(zip(src.offered, src.accepted)):
+                f = min(1.0, max_offered / o) if o else 1.0
+                dst.offered[b], dst.accepted[b] = o * f, a * f
+        for t, h in zip(self.lookup_tries, self.lookup_hits):
+            f = min(1.0, max_lookup_tries / t) if t else 1.0
+            out.lookup_tries.append(t * f)
+            out.lookup_hits.append(h * f)
+        return out
+
     # ---- persistence (plain JSON-able dicts; binding.py stores them) ----------------------------
     def to_dict(self) -> dict:
         return {"format": CALIBRATION_FORMAT, "edges": [round(e, 6) for e in _EDGES],

@@ -134,7 +134,7 @@ def test_calibration_is_persisted_and_reloaded_with_the_head(tmp_path):
     assert a.save_calibration()
     b = SpeculativeEngine(target, head, cfg, head_version="v7")
     assert b.binding.calibration_source == "cache"
-    assert b.calibration.to_dict() == a.calibration.to_dict()
+    assert b.calibration.to_dict() == a.calibration.damped().to_dict()  # reloaded, weighted to yield to live data
     # another version, or the same version on another compute mode, starts from its own
     assert SpeculativeEngine(target, head, cfg, head_version="v8").binding.calibration_source == "prior"
     # a corrupt file is refused (counted), never trusted
@@ -195,3 +195,17 @@ def test_a_head_installed_into_a_plain_engine_gets_the_verify_cost_measured_by_t
     assert engine.set_head(v1, "v1").ok and not engine.verify_cost.points  # nothing timed on the caller's thread
     res = engine.generate([3, 4, 5], SamplingParams(max_tokens=8))
     assert engine.verify_cost.points and res.head_version == "v1"
+
+
+def test_a_carried_over_calibration_keeps_its_rates_but_yields_to_live_evidence():
+    cal = AcceptCalibration()
+    cal.observe_eagle([0.6] * 1000, [True] * 300 + [False] * 700)
+    for _ in range(400):
+        cal.observe_lookup(4, 4)  # traffic that copied a lot
+    d = cal.damped()
+    assert abs(float(d.eagle(torch.tensor([0.6]))[0]) - float(cal.eagle(torch.tensor([0.6]))[0])) < 0.03  # only the prior weighs more
+    assert max(d.eagle_buckets.offered) <= 50 and max(d.lookup_tries) <= 8
+    for _ in range(20):  # this request does not copy
+        d.observe_lookup(4, 0)
+        cal.observe_lookup(4, 0)
+    assert d.lookup(1) < 0.4 < cal.lookup(1)  # the damped one noticed within 20 steps; the raw one did not

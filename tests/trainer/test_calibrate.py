@@ -28,4 +28,6 @@ def test_calibrate_head_writes_head_json_and_engines_start_from_it(smollm2, tmp_
     loaded = load_head(head_dir, smollm2)  # the weights' checksum still holds
     engine = SpeculativeEngine(smollm2, loaded, EngineConfig(calibration_dir=""))
     assert engine.binding.calibration_source == "head.json"
-    assert engine.calibration.to_dict() == shipped[smollm2.fingerprint]
+    from adaptive_eagle.costmodel import AcceptCalibration
+
+    assert engine.calibration.to_dict() == AcceptCalibration.from_dict(shipped[smollm2.fingerprint]).damped().to_dict()
