@@ -474,8 +474,11 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def stream(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
-               tenant: str = "default") -> Iterator[tuple[list[int], GenerationResult | None]]:
-        """Yields (new token ids, None) per verify step, then ([], GenerationResult) once."""
+               tenant: str = "default", index_output: bool = True
+               ) -> Iterator[tuple[list[int], GenerationResult | None]]:
+        """Yields (new token ids, None) per verify step, then ([], GenerationResult) once.
+        index_output=False keeps this request's output out of the cross-request suffix index (a
+        request that opted out of capture must not feed other requests' drafts either)."""
         sampling = sampling or SamplingParams()
         prompt_ids = self.encode(prompt)
         self._check_limits(len(prompt_ids), sampling)
@@ -538,7 +541,7 @@ class SpeculativeEngine:
                 if p.head_drafted or not head_ok:  # steps the gate decided (not copy runs, where lookup is sure)
                     gate.observe(p.head_drafted, len(new), step_ms)
             visible, finish = self._cut(generated, sampling, stop)
-        if self.suffix_index is not None:
+        if self.suffix_index is not None and index_output:
             self.suffix_index.add(visible, tenant)
         self.calibrations.save(binding, self.target.fingerprint)  # rate-limited; never raises
         yield [], self._result(binding, prompt_ids, visible, finish, steps, captured, sampling, request_id, tenant,
@@ -546,9 +549,9 @@ class SpeculativeEngine:
 
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                  capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
-                 tenant: str = "default") -> GenerationResult:
+                 tenant: str = "default", index_output: bool = True) -> GenerationResult:
         result = None
-        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator, tenant):
+        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator, tenant, index_output):
             result = res or result
         return result
 

@@ -45,6 +45,16 @@ def test_tenants_do_not_see_each_others_outputs_when_isolated():
     assert sum(s.accept_length for s in shared.generate([4, 5, 6], sp, tenant="b").steps) >= 12
 
 
+def test_a_request_that_opts_out_never_feeds_the_index():
+    target, _ = tiny_setup(seed=10)
+    engine = SpeculativeEngine(target, None, EngineConfig(**SUFFIX_ONLY))
+    engine.eos_ids = set()
+    engine.generate([4, 5, 6], SamplingParams(max_tokens=16), index_output=False)
+    assert engine.suffix_index.documents == 0
+    engine.generate([4, 5, 6], SamplingParams(max_tokens=16))
+    assert engine.suffix_index.documents == 1
+
+
 def test_sampling_with_suffix_drafts_keeps_the_target_distribution():
     """Marginals of the 2nd and 3rd sampled tokens, drawn with only suffix-index drafts (plain target,
     no head), match the target's exact marginals (chi-square p > 1e-3 on 1,500 draws)."""
