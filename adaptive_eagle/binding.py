@@ -47,19 +47,6 @@ class SwapResult:
     install_ms: float = 0.0  # validate + prepare + flip, on the caller's thread
 
 
-def lossless_label(target: Target) -> str:
-    """'exact' when the target computes in fp32 (greedy output equals plain greedy decoding token
-    for token), else 'lossless up to <dtype> rounding' (near-ties may flip between a one-token and a
-    tree forward)."""
-    label = getattr(target, "lossless", None)
-    if isinstance(label, str) and label:
-        return label
-    compute = target.compute or str(target.dtype).removeprefix("torch.")
-    if compute.startswith("float32"):
-        return "exact"
-    return f"lossless up to {'bf16' if 'bfloat16' in compute else 'fp16'} rounding"
-
-
 @dataclass
 class HeadBinding:
     """What a request decodes with. Never changed after construction except `calibration`, which the
@@ -106,8 +93,6 @@ def prepare_head(head: Eagle3DraftHead, target: Target) -> Eagle3DraftHead:
     dtype = torch.float32 if packed else target.dtype
     # deepcopy everything but the embedding, which becomes the target's (memo maps it to the target's)
     prepared = copy.deepcopy(head, memo={id(head.embed_tokens.weight): embed})
-    prepared.embed_tokens.weight = embed if isinstance(embed, torch.nn.Parameter) else torch.nn.Parameter(
-        embed, requires_grad=False)
     for name, p in prepared.named_parameters():
         if not name.startswith("embed_tokens"):
             p.data = p.data.to(target.device, dtype)
@@ -196,7 +181,7 @@ def make_binding(head: Eagle3DraftHead | None, version: str | None, target: Targ
                  metrics: dict | None = None) -> HeadBinding:
     """Validate and prepare `head` for `target`, with its calibration (cache, then head.json, then the
     head's own probabilities). Raises HeadRefused."""
-    label = lossless_label(target)
+    label = target.lossless
     if head is None:
         return HeadBinding(None, None, compute=target.compute, lossless=label)
     check_head(head, target)

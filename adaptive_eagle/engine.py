@@ -86,9 +86,21 @@ class GenerationResult:
     trace: TraceRecord
     elapsed_s: float
     steps: list[VerifyStep] = field(default_factory=list)
-    head_version: str | None = None  # the head this request was bound to (None: plain decoding)
-    compute: str = ""  # how the target ran, e.g. "float32+fp16-weights"
-    lossless: str = "exact"  # "exact" or "lossless up to bf16 rounding"
+
+    @property
+    def head_version(self) -> str | None:
+        """The head this request was bound to (None: plain decoding)."""
+        return self.trace.head_version
+
+    @property
+    def compute(self) -> str:
+        """How the target ran, e.g. "float32" or "float32+fp16-weights"."""
+        return self.trace.compute
+
+    @property
+    def lossless(self) -> str:
+        """"exact", or "lossless up to bf16 rounding"."""
+        return self.trace.lossless
 
     @property
     def accept_length_mean(self) -> float:
@@ -600,8 +612,7 @@ class SpeculativeEngine:
             aux_layer_ids=tuple(self.target.aux_layer_ids) if aux is not None else (),
             compute=binding.compute, lossless=binding.lossless,
         )
-        return GenerationResult(text, generated, finish, trace, time.perf_counter() - t0, steps, binding.version,
-                                binding.compute, binding.lossless)
+        return GenerationResult(text, generated, finish, trace, time.perf_counter() - t0, steps)
 
 
 def _unpack_head(head, version: str | None) -> tuple[Eagle3DraftHead | None, str | None, dict | None]:

@@ -59,9 +59,8 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16,
-          "fp32+fp16-weights": torch.float32, "float32+fp16-weights": torch.float32}
+# every name a dtype or compute mode goes by (bf16, bfloat16, fp32+fp16-weights, ...) -> the weights' dtype
+DTYPES = {**C.MODE_DTYPES, **{C.COMPUTE_NAMES[m]: d for m, d in C.MODE_DTYPES.items()}}
 DECODE_PURPOSES = ("decode", "speculative", "plain")  # "decode" = speculative (a head drafts)
 
 
