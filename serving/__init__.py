@@ -1,4 +1,4 @@
-"""serving: Ray actors that decode with EAGLE-3, the OpenAI-compatible gateway, hot swap.
-
-Knows the core (adaptive_eagle) and the feature store writer; never trains.
-"""
+"""serving: makes adaptive-eagle a service. A Ray-free `DecodeServer` around a backend (the reference
+engine, or SGLang on GPUs), a thin Ray actor around it, the OpenAI-compatible gateway (FastAPI),
+capture into the feature store, Prometheus metrics, and the hot-swap entry point
+`swap_head(version) -> SwapResult`."""

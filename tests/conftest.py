@@ -15,3 +15,13 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2):
     return smollm2.tokenizer
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole test session (starting Ray costs ~3 s and ~1 GiB here).
+    Tests that need Ray take this fixture; none of them calls ray.init/shutdown itself."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
