@@ -29,12 +29,13 @@ import torch
 
 from adaptive_eagle.binding import (CalibrationStore, HeadBinding, HeadRefused, SwapResult, make_binding)
 from adaptive_eagle.costmodel import DraftGate, VerifyCost, best_prefix, min_useful_prob
-from adaptive_eagle.draft_head import DraftKVCache, Eagle3DraftHead
+from adaptive_eagle.draft_head import Eagle3DraftHead
+from adaptive_eagle.drafting import HeadFeed, draft_tree
 from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
 from adaptive_eagle.suffix_index import SuffixIndex, SuffixIndexConfig
 from adaptive_eagle.targets import Target, cache_dir
 from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
-from adaptive_eagle.tree import (DraftTree, build_tree, chain_tree, merge_trees, subset_tree, tree_attention_mask,
+from adaptive_eagle.tree import (DraftTree, chain_tree, merge_trees, subset_tree, tree_attention_mask,
                                  tree_position_ids)
 from adaptive_eagle.verify import VerifyResult, sampling_probs, verify_greedy, verify_sampling
 
@@ -117,14 +118,6 @@ def _cache_kwarg(model) -> str:
 
 
 @dataclass(frozen=True)
-class HeadRoot:
-    """The head's output at the newest fed position: what the next draft tree grows from."""
-
-    hidden: torch.Tensor  # [H] pre-norm output hidden
-    logprobs: torch.Tensor  # [draft_vocab] log-probs of the root's children
-
-
-@dataclass(frozen=True)
 class Proposal:
     """One step's draft tree and which source proposed each path (for acceptance bookkeeping)."""
 
@@ -136,30 +129,6 @@ class Proposal:
 
     def offered(self) -> dict[str, int]:
         return {"eagle": len(self.eagle_paths), "lookup": len(self.lookup), "suffix": len(self.suffix)}
-
-
-class _HeadFeed:
-    """The draft head's view of one request: its KV cache plus committed positions not yet fed
-    (tokens and target features), fed in one head call when the head next drafts."""
-
-    def __init__(self, engine: "SpeculativeEngine", head: Eagle3DraftHead, cache: DraftKVCache) -> None:
-        self.engine, self.head, self.cache = engine, head, cache
-        self.tokens: list[int] = []
-        self.aux: list[torch.Tensor] = []
-        self.start = 0
-        self.last: HeadRoot | None = None
-
-    def add(self, tokens: list[int], aux: torch.Tensor, start_pos: int) -> None:
-        if not self.tokens:
-            self.start = start_pos
-        self.tokens += tokens
-        self.aux.append(aux)
-
-    def root(self) -> HeadRoot:
-        if self.tokens:
-            self.last = self.engine._head_extend(self.head, self.cache, self.tokens, torch.cat(self.aux), self.start)
-            self.tokens, self.aux = [], []
-        return self.last
 
 
 class SpeculativeEngine:
@@ -341,18 +310,20 @@ class SpeculativeEngine:
 
     # ---- target ---------------------------------------------------------------------------------
     def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None,
-                        aux: bool = True):
-        """(logits [Q, V], aux features [Q, n_aux * H] or None when aux=False)."""
+                        aux: bool = True, final: bool = False):
+        """(logits [Q, V], aux features [Q, n_aux * H] or None when aux=False, final-norm hidden [Q, H] or
+        None unless final=True: what capture stores so the trainer needs no target forward)."""
         x = torch.tensor([ids], device=self.device)
-        kw = {self._cache_kw: cache, "use_cache": True, "output_hidden_states": aux,
+        kw = {self._cache_kw: cache, "use_cache": True, "output_hidden_states": aux or final,
               "position_ids": positions[None].to(self.device)}
         if mask is not None:
             kw["attention_mask"] = mask.to(self.device)
         out = self.target.model(input_ids=x, **kw)
-        if not aux:
-            return out.logits[0], None
+        if not (aux or final):
+            return out.logits[0], None, None
         hs = out.hidden_states
-        return out.logits[0], torch.cat([hs[k] for k in self.target.aux_layer_ids], dim=-1)[0]
+        feats = torch.cat([hs[k] for k in self.target.aux_layer_ids], dim=-1)[0] if aux else None
+        return out.logits[0], feats, (hs[-1][0] if final else None)
 
     @staticmethod
     def _keep_cache(cache, keep: torch.Tensor) -> None:
@@ -364,48 +335,6 @@ class SpeculativeEngine:
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(-2, keep)
             layer.values = layer.values.index_select(-2, keep)
-
-    # ---- draft head -----------------------------------------------------------------------------
-    def _head_extend(self, head: Eagle3DraftHead, hcache: DraftKVCache, tokens: list[int], aux: torch.Tensor,
-                     start_pos: int) -> HeadRoot:
-        """Feed committed positions start_pos.. (aux features + next tokens) to the head; returns the
-        last position's output hidden and draft-vocab log-probs."""
-        ids = torch.tensor([tokens], device=self.device)
-        pos = torch.arange(start_pos, start_pos + len(tokens), device=self.device)[None]
-        last = torch.zeros(1, len(tokens), dtype=torch.bool, device=self.device)
-        last[0, -1] = True  # only the newest position drafts: no LM head over the rest (e.g. the prompt)
-        out = head.step(ids, aux[None].to(head.dtype), pos, hcache.attend_fn(), logits_rows=last)
-        return HeadRoot(out.hidden[0, -1], torch.log_softmax(out.logits[-1].float(), -1))
-
-    def _draft(self, head: Eagle3DraftHead, hcache: DraftKVCache, root: HeadRoot, root_pos: int, budget: int,
-               min_path_prob: float) -> DraftTree:
-        """Build the dynamic tree with the head; leaves the head cache as it found it."""
-        cfg = self.config
-        committed = hcache.length
-        hidden: dict[int, torch.Tensor] = {-1: root.hidden}  # candidate id -> its output hidden
-        ancestors: dict[int, list[int]] = {-1: []}  # candidate id -> cache rows of itself + ancestors
-        d2t = head.draft_to_target
-
-        def expand(tokens, node_ids, parent_ids):
-            k = tokens.numel()
-            hid = torch.stack([hidden[int(p)] for p in parent_ids])[None]  # [1, k, H]
-            depth = len(ancestors[int(parent_ids[0])]) + 1
-            pos = torch.full((1, k), root_pos - 1 + depth, device=self.device)
-            mask = torch.full((1, 1, k, hcache.length + k), float("-inf"), device=self.device)
-            mask[..., :committed] = 0
-            for r, (n, p) in enumerate(zip(node_ids.tolist(), parent_ids.tolist())):
-                rows = ancestors[p] + [hcache.length + r]
-                mask[0, 0, r, rows] = 0
-                ancestors[n] = rows
-            out = head.step(d2t[tokens][None], hid, pos, hcache.attend_fn(mask), logits_rows=True)
-            for r, n in enumerate(node_ids.tolist()):
-                hidden[n] = out.hidden[0, r]
-            return torch.log_softmax(out.logits[0].float(), -1)
-
-        min_score = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
-        tree = build_tree(root.logprobs, expand, cfg.depth, cfg.topk, budget, min_score)
-        hcache.crop(committed)
-        return DraftTree(d2t[tree.tokens], tree.parents, tree.depths, tree.scores, tree.logprobs)
 
     # ---- proposals: EAGLE tree + model-free drafts ------------------------------------------------
     def _model_free(self, context: list[int], tenant: str) -> tuple[list[int], DraftTree | None]:
@@ -422,7 +351,7 @@ class SpeculativeEngine:
                 suffix = None
         return cont, suffix
 
-    def _propose(self, binding: HeadBinding, context: list[int], feed: "_HeadFeed | None", root_pos: int,
+    def _propose(self, binding: HeadBinding, context: list[int], feed: "HeadFeed | None", root_pos: int,
                  split: BudgetSplit, tenant: str, head_ok: bool = True) -> Proposal:
         """This step's draft tree: the head's dynamic tree (unless `head_ok` is False: the gate found
         drafting with the head does not pay now), the lookup chain and the suffix-index tree merged,
@@ -441,7 +370,8 @@ class SpeculativeEngine:
             min_prob = cfg.min_path_prob
             if cfg.cost_aware:  # 0 until a rate has been measured
                 min_prob = max(min_prob, min_useful_prob(self.verify_cost, budget, self.rate))
-            tree = self._draft(binding.head, feed.cache, feed.root(), root_pos, alloc["eagle"], min_prob)
+            tree = draft_tree(binding.head, feed.cache, feed.root(), root_pos, depth=cfg.depth, topk=cfg.topk,
+                              budget=alloc["eagle"], min_path_prob=min_prob)
             eagle_paths, drafted = frozenset(tree.token_paths), True
         else:
             tree, eagle_paths, drafted = EMPTY_TREE, frozenset(), False
@@ -503,16 +433,15 @@ class SpeculativeEngine:
         cache = DynamicCache()
         n = len(prompt_ids)
         need_aux = capture or binding.head is not None  # plain decoding without capture skips them
-        logits, aux = self._target_forward(prompt_ids, cache, torch.arange(n), None, need_aux)
-        captured = [aux.float().cpu()] if capture else []
+        logits, aux, final = self._target_forward(prompt_ids, cache, torch.arange(n), None, need_aux, capture)
+        captured = [torch.cat([aux, final], -1).float().cpu()] if capture else []  # [n, n_aux * H + H] rows
         first = self._sample_row(logits[-1:], sampling, generator)
         generated: list[int] = [first]
         steps: list[VerifyStep] = []
         feed = None
         split = BudgetSplit()
         if binding.head is not None:
-            hcache = DraftKVCache.empty(binding.head.cfg, 1, n + 64, binding.head.dtype, self.device)
-            feed = _HeadFeed(self, binding.head, hcache)
+            feed = HeadFeed.empty(binding.head, n + 64, self.device)
             feed.add(prompt_ids[1:] + [first], aux, 0)
         visible, finish = self._cut(generated, sampling, stop)
         emitted = 0
@@ -531,8 +460,8 @@ class SpeculativeEngine:
             # verify: the whole tree in one target forward
             t_verify = time.perf_counter()
             mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
-            logits, aux = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
-                                               tree_position_ids(tree, root_pos), mask, need_aux)
+            logits, aux, final = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
+                                                      tree_position_ids(tree, root_pos), mask, need_aux, capture)
             t_done = self._clock() if self.config.cost_aware else 0.0
             res = self._verify(tree, logits, sampling, generator)
             # accept: keep the accepted path in the target cache, feed it to the head
@@ -547,7 +476,7 @@ class SpeculativeEngine:
             steps.append(VerifyStep(tree.size, res.accept_length, res.accept_length, res.rejected_token,
                                     res.rejected_draft_prob, res.rejected_target_prob))
             if capture:
-                captured.append(aux.index_select(0, rows).float().cpu())
+                captured.append(torch.cat([aux, final], -1).index_select(0, rows).float().cpu())
             if self.config.cost_aware:
                 step_ms = self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))
                 if p.head_drafted or not head_ok:  # steps the gate decided (not copy runs, where lookup is sure)
@@ -602,13 +531,15 @@ class SpeculativeEngine:
             body = [t for t in generated if t not in self.eos_ids]
             text = tok.decode(body, skip_special_tokens=True)
         ids = prompt_ids + generated
-        aux = None
+        aux = final = None
         if captured:
-            aux = torch.cat(captured)[: len(ids)].numpy().astype(np.float32)
+            rows = torch.cat(captured)[: len(ids)].numpy().astype(np.float32)
+            width = rows.shape[1] - self.target.config.hidden_size
+            aux, final = rows[:, :width], rows[:, width:]
         trace = TraceRecord(
             request_id=request_id, target_fingerprint=self.target.fingerprint, head_version=binding.version,
             backend="reference", input_ids=tuple(ids), loss_mask=tuple([0] * len(prompt_ids) + [1] * len(generated)),
-            steps=tuple(steps), tenant=tenant, sampling=sampling, aux_hidden=aux,
+            steps=tuple(steps), tenant=tenant, sampling=sampling, aux_hidden=aux, final_hidden=final,
             aux_layer_ids=tuple(self.target.aux_layer_ids) if aux is not None else (),
             compute=binding.compute, lossless=binding.lossless,
         )

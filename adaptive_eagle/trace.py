@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-TRACE_SCHEMA_VERSION = "1.1"  # major.minor; readers refuse an unknown major (1.1: compute, lossless)
+TRACE_SCHEMA_VERSION = "1.2"  # major.minor; readers refuse an unknown major (1.1: compute, lossless; 1.2: final_hidden)
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ class TraceRecord:
     # when the last token never went through the target (decoding stops before its forward).
     aux_hidden: np.ndarray | None = None
     aux_layer_ids: tuple[int, ...] = ()  # input-of-layer convention (adaptive_eagle.targets)
+    # [T, H] float32 final-norm hidden states of the same positions (the LM head's input), if captured:
+    # with them the trainer knows the target's distribution at every position without a target forward
+    final_hidden: np.ndarray | None = None
     created_at: float = field(default_factory=time.time)  # unix seconds
     compute: str = ""  # how the target ran, e.g. "float32+fp16-weights" ("" = not recorded)
     lossless: str = ""  # "exact", or "lossless up to bf16 rounding" when the target ran in bf16
@@ -80,6 +83,12 @@ class TraceRecord:
                 raise ValueError(f"aux_hidden shape {self.aux_hidden.shape} does not match {len(self.input_ids)} tokens")
             if not self.aux_layer_ids:
                 raise ValueError("aux_hidden needs aux_layer_ids")
+        if self.final_hidden is not None:
+            if self.final_hidden.ndim != 2 or self.final_hidden.shape[0] not in (len(self.input_ids), len(self.input_ids) - 1):
+                raise ValueError(f"final_hidden shape {self.final_hidden.shape} does not match {len(self.input_ids)} tokens")
+            if self.aux_hidden is not None and self.aux_hidden.shape[0] != self.final_hidden.shape[0]:
+                raise ValueError(f"final_hidden covers {self.final_hidden.shape[0]} positions, aux_hidden "
+                                 f"{self.aux_hidden.shape[0]}")
 
     @property
     def generated_tokens(self) -> int:
@@ -91,4 +100,4 @@ class TraceRecord:
         return float(np.mean([s.accept_length + 1 for s in self.steps])) if self.steps else 1.0
 
     def without_hidden(self) -> "TraceRecord":
-        return replace(self, aux_hidden=None, aux_layer_ids=())
+        return replace(self, aux_hidden=None, aux_layer_ids=(), final_hidden=None)

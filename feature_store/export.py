@@ -55,7 +55,7 @@ def iter_rows(backend: Backend, flt: RecordFilter | None = None) -> Iterator[tup
                 raise CorruptRecordError("payload lost")
             table, version = decode_table(e.payload)
             row = table.slice(0, 1).to_pylist()[0]
-            rec = row_to_record({**row, "aux_data": None}, version)
+            rec = row_to_record({**row, "aux_data": None, "final_data": None}, version)
         except CorruptRecordError:
             yield e.id, {}, None
             continue

@@ -6,7 +6,8 @@ Layout (one row per record): metadata columns (ids, fingerprint, head version, b
 domain, sampling struct, created_at, compute mode and lossless label since 1.1), token columns (`input_ids` int32, `loss_mask` int8, `steps`
 list of structs) and optional encoded features: `aux_data` holds the hidden states [T, n_aux * H]
 encoded by `aux_codec` as [T * n_aux, H] rows (e.g. int8b: one fp16 scale per 64-channel block of each row), with
-`aux_rows` = T and `aux_cols` = n_aux * H. The schema's metadata carries `trace_schema_version`
+`aux_rows` = T and `aux_cols` = n_aux * H; since 1.2 `final_data` holds the final-norm hidden states [T, H]
+(`final_rows`, `final_cols`) in the same codec. The schema's metadata carries `trace_schema_version`
 (major.minor): a reader accepts any minor of its major and refuses another major, loudly.
 """
 
@@ -47,6 +48,7 @@ TRACE_SCHEMA = pa.schema(
         ("aux_layer_ids", pa.list_(pa.int32())), ("aux_codec", pa.string()), ("aux_rows", pa.int32()),
         ("aux_cols", pa.int32()), ("aux_data", pa.binary()),
         ("compute", pa.string()), ("lossless", pa.string()),  # since 1.1
+        ("final_rows", pa.int32()), ("final_cols", pa.int32()), ("final_data", pa.binary()),  # since 1.2
     ],
     metadata={VERSION_KEY: TRACE_SCHEMA_VERSION.encode()},
 )
@@ -74,8 +76,19 @@ def _encode_aux(record: TraceRecord, codec: str) -> tuple[str | None, int | None
     return codec, rows, cols, data
 
 
+def _encode_final(record: TraceRecord, codec: str) -> tuple[int | None, int | None, bytes | None]:
+    x = record.final_hidden  # [T, H] float32
+    if x is None:
+        return None, None, None
+    rows, cols = x.shape
+    return rows, cols, get_codec(codec).encode(np.ascontiguousarray(x, dtype=np.float32))
+
+
 def record_to_row(record: TraceRecord, codec: str) -> dict:
     aux_codec, aux_rows, aux_cols, aux_data = _encode_aux(record, codec)
+    final_rows, final_cols, final_data = _encode_final(record, codec)
+    if final_data is not None:
+        aux_codec = codec
     s = record.sampling
     return {
         "request_id": record.request_id, "tenant": record.tenant, "target_fingerprint": record.target_fingerprint,
@@ -90,6 +103,7 @@ def record_to_row(record: TraceRecord, codec: str) -> dict:
                   for st in record.steps],
         "aux_layer_ids": list(record.aux_layer_ids), "aux_codec": aux_codec, "aux_rows": aux_rows,
         "aux_cols": aux_cols, "aux_data": aux_data, "compute": record.compute, "lossless": record.lossless,
+        "final_rows": final_rows, "final_cols": final_cols, "final_data": final_data,
     }
 
 
@@ -112,6 +126,14 @@ def decode_aux(row: dict) -> np.ndarray | None:
     return get_codec(row["aux_codec"]).decode(row["aux_data"], rows * split, cols // split).reshape(rows, cols)
 
 
+def decode_final(row: dict) -> np.ndarray | None:
+    """[final_rows, final_cols] float32 from an encoded row (schema >= 1.2), or None."""
+    if row.get("final_data") is None:
+        return None
+    rows, cols = int(row["final_rows"]), int(row["final_cols"])
+    return get_codec(row["aux_codec"]).decode(row["final_data"], rows, cols).reshape(rows, cols)
+
+
 def _nan(v: float | None) -> float:
     return math.nan if v is None else float(v)
 
@@ -129,7 +151,7 @@ def row_to_record(row: dict, version: str = TRACE_SCHEMA_VERSION) -> TraceRecord
                                 top_k=int(s.get("top_k", 0)), max_tokens=int(s.get("max_tokens", 256)),
                                 seed=s.get("seed")),
         domain=row["domain"], capture_consent=bool(row["capture_consent"]), aux_hidden=decode_aux(row),
-        aux_layer_ids=tuple(row["aux_layer_ids"] or ()), created_at=float(row["created_at"]), schema_version=version,
+        aux_layer_ids=tuple(row["aux_layer_ids"] or ()), final_hidden=decode_final(row), created_at=float(row["created_at"]), schema_version=version,
         compute=row.get("compute") or "", lossless=row.get("lossless") or "",
     )
 

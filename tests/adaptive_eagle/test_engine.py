@@ -204,30 +204,6 @@ def test_suffix_match_continuation():
     assert suffix_match_continuation(ctx, 0) == []
 
 
-def test_head_fed_lazily_drafts_what_it_drafts_when_fed_every_step():
-    from adaptive_eagle.draft_head import DraftKVCache
-    from adaptive_eagle.engine import _HeadFeed
-
-    target, head = tiny_setup(seed=6)
-    engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False))
-    torch.manual_seed(0)
-    chunks = [(torch.randint(0, 32, (k,)).tolist(),
-               torch.randn(k, 3 * target.config.hidden_size, dtype=torch.float64).to(target.device)) for k in (5, 2, 1, 3)]
-    new = lambda: _HeadFeed(engine, engine.head, DraftKVCache.empty(head.cfg, 1, 8, torch.float64,  # noqa: E731
-                                                                     target.device))
-    eager, lazy = new(), new()
-    pos = 0
-    for tokens, aux in chunks:
-        eager.add(tokens, aux, pos)
-        eager.root()
-        lazy.add(tokens, aux, pos)
-        pos += len(tokens)
-    a, b = eager.root(), lazy.root()
-    torch.testing.assert_close(a.hidden, b.hidden)
-    torch.testing.assert_close(a.logprobs, b.logprobs)
-    assert eager.cache.length == lazy.cache.length == pos
-
-
 def test_cost_aware_engine_copying_from_context_is_lossless():
     target, head = tiny_setup(seed=4)
     engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=2, num_draft_tokens=8))
