@@ -1,0 +1,145 @@
+"""GatewayFleet: the gateway's replicas as the policy sees them (the `Fleet` of policies/fleet.py).
+
+Owns: swapping every replica (all or nothing: replicas that took a version another one refused are
+swapped back), the canary (some replicas serve the candidate, the router sends them `fraction` of
+the requests), and the live per-head samples of finished requests (`RequestSample`) the gates read.
+Must not touch: decisions (policies/ decides what to promote), HTTP, decoding.
+
+Threads: the async methods (`aswap`, `aset_canary`) run on the gateway's event loop (admin
+endpoints); the plain methods (`swap`, `set_canary`, ...) are for a controller on another thread and
+hop onto that loop. Calling a plain method from the loop's own thread is refused (it would wait on
+itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from typing import Optional
+
+from adaptive_eagle.binding import SwapResult
+from policies.samples import RequestSample
+from serving.messages import SpecMetrics
+from serving.router import Canary, Router, Slot
+
+
+class LiveSamples:
+    """Finished requests per head version, newest last, bounded per version. Thread-safe."""
+
+    def __init__(self, max_per_version: int = 20_000) -> None:
+        self.max = max_per_version
+        self._by_version: dict[str, deque[RequestSample]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, spec: SpecMetrics, request_id: str, tokens: int, finished_at: Optional[float] = None) -> None:
+        sample = RequestSample(accept_length=max(1.0, spec.accept_length), head_version=spec.head_version,
+                               domain=spec.domain, request_id=request_id, tpot_s=spec.tpot_s,
+                               finished_at=time.time() if finished_at is None else finished_at, tokens=tokens)
+        with self._lock:
+            self._by_version.setdefault(sample.head_version, deque(maxlen=self.max)).append(sample)
+
+    def get(self, version: str, since: float = 0.0) -> list[RequestSample]:
+        with self._lock:
+            return [s for s in self._by_version.get(version, ()) if s.finished_at >= since]
+
+
+class GatewayFleet:
+    """Satisfies policies.fleet.Fleet: swap, serving_versions, set_canary, live_samples."""
+
+    def __init__(self, router: Router, samples: LiveSamples, call_timeout_s: float = 120.0) -> None:
+        self.router, self.samples, self.call_timeout_s = router, samples, call_timeout_s
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the gateway's loop (set when it starts)
+        self._swap_lock = asyncio.Lock()
+
+    # ---- the policy's interface (any thread but the gateway's loop) ---------------------------------
+    def swap(self, version: str) -> list[SwapResult]:
+        return self._call(self.aswap(version))
+
+    def serving_versions(self) -> list[str]:
+        return self.router.serving_versions()
+
+    def set_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
+        return self._call(self.aset_canary(version, fraction))
+
+    def live_samples(self, version: str, since: float = 0.0) -> list[RequestSample]:
+        return self.samples.get(version, since)
+
+    def _call(self, coro):
+        if self.loop is None:
+            coro.close()
+            raise RuntimeError("the gateway is not running (its event loop is not known yet)")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            coro.close()
+            raise RuntimeError("called on the gateway's own event loop: await aswap/aset_canary instead")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.call_timeout_s)
+
+    # ---- async implementations -------------------------------------------------------------------
+    @property
+    def champion(self) -> str:
+        """The version the non-canary replicas serve (the most common one)."""
+        canary = self.router.canary
+        versions = [s.version for s in self.router.slots if canary is None or s.version != canary.version]
+        versions = versions or [s.version for s in self.router.slots]
+        return max(sorted(set(versions)), key=versions.count)
+
+    async def _swap_slots(self, slots: list[Slot], version: str) -> list[SwapResult]:
+        """Swap `slots` to `version`; if any refuses, swap the others back (all or nothing)."""
+        before = [s.version for s in slots]
+        results = list(await asyncio.gather(*(s.replica.swap_head(version) for s in slots)))
+        for s, r in zip(slots, results):
+            if r.ok:
+                self.router.set_version(s.replica, r.version)
+        refused = [s.replica.name for s, r in zip(slots, results) if not r.ok]
+        if not refused:
+            return results
+        for s, r, old in zip(slots, results, before):
+            if r.ok and old != version:
+                back = await s.replica.swap_head(old)
+                self.router.set_version(s.replica, back.version if back.ok else r.version)
+        why = f"; swapped back to the previous head because {', '.join(refused)} refused {version}"
+        return [replace(r, ok=False, message=r.message + why) if r.ok else r for r in results]
+
+    async def aswap(self, version: str) -> list[SwapResult]:
+        """Every replica serves `version` ("none" = plain decoding); the canary, if any, ends."""
+        async with self._swap_lock:
+            results = await self._swap_slots(list(self.router.slots), version)
+            if all(r.ok for r in results):
+                self.router.canary = None
+            return results
+
+    async def aset_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
+        """Serve `version` on some replicas and route `fraction` of requests to them; None ends the
+        canary (its replicas return to the champion). Raises ValueError when it cannot be set."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        async with self._swap_lock:
+            current, champion = self.router.canary, self.champion
+            results: list[SwapResult] = []
+            if current is not None and version == current.version:
+                self.router.canary = Canary(version, fraction)  # same candidate: only the share changes
+                return results
+            if current is not None:  # end the running canary: its replicas return to the champion
+                self.router.canary = None
+                old = [s for s in self.router.slots if s.version == current.version]
+                results = await self._swap_slots(old, champion) if champion != current.version else []
+            if version is None:
+                return results
+            n = len(self.router.slots)
+            if n < 2:
+                raise ValueError("a canary needs at least 2 replicas (one keeps serving the champion); "
+                                 f"this gateway has {n}")
+            if version == champion:
+                raise ValueError(f"{version} is already the champion")
+            k = min(n - 1, max(1, round(fraction * n)))
+            results = await self._swap_slots(list(reversed(self.router.slots))[:k], version)
+            if not all(r.ok for r in results):
+                raise ValueError("; ".join(r.message for r in results if not r.ok))
+            self.router.canary = Canary(version, fraction)
+            return results

@@ -1,0 +1,295 @@
+"""The gateway: an OpenAI-compatible HTTP front over the decode replicas (FastAPI app factory).
+
+Owns: the endpoints (`/v1/chat/completions`, `/v1/completions` with SSE streaming, `/v1/models`,
+`/health`, `/metrics`, `/admin/status|swap|canary`), API-key and admin-token checks, mapping
+replica events to OpenAI responses, recording each finished request into the metrics and the live
+samples the policy reads. Must not touch: decoding (replicas), routing rules (router.py), swap
+rules (fleet.py), Ray (the caller hands in replicas).
+
+Every response carries the request's speculative metrics in the extra top-level field
+`adaptive_eagle` (also in the final SSE chunk); see openai_api.py for the fields and the request
+extras. Errors are OpenAI-style bodies `{"error": {message, type, param, code}}`: 400 bad input
+(the field and its allowed range named), 401 missing or wrong API key / missing admin token, 403
+wrong admin token, 404 unknown model, 409 a swap or canary refused, 429 queue full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Optional, Sequence, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving import openai_api as api
+from serving.config import ServingConfig
+from serving.fleet import GatewayFleet, LiveSamples
+from serving.messages import Delta, Finished, Refused
+from serving.metrics import GatewayMetrics
+from serving.router import LocalReplica, NoReplica, QueueFull, Replica, Router
+from serving.server import DecodeServer
+
+log = logging.getLogger(__name__)
+STATUS_TIMEOUT_S = 5.0
+
+
+class SwapBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: str = Field(..., min_length=1, description='a registry version, or "none" for plain decoding')
+
+
+class CanaryBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Optional[str] = Field(None, description="the candidate head; null ends the canary")
+    fraction: float = Field(0.1, ge=0.0, le=1.0, description="share of requests routed to the candidate")
+
+
+def _bearer(request: Request) -> Optional[str]:
+    header = request.headers.get("authorization", "")
+    scheme, _, value = header.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+class Gateway:
+    """The app's state and handlers (one per app; no module state)."""
+
+    def __init__(self, config: ServingConfig, replicas: Sequence[Union[Replica, DecodeServer]], rng=None) -> None:
+        self.config = config
+        reps = [LocalReplica(r) if isinstance(r, DecodeServer) else r for r in replicas]
+        versions = [r.server.head_version if isinstance(r, LocalReplica) else "none" for r in reps]
+        self.router = Router(reps, versions, config.queue_size, config.request_timeout_s, rng)
+        self.samples = LiveSamples(config.live_samples_max)
+        self.fleet = GatewayFleet(self.router, self.samples)
+        self.metrics = GatewayMetrics()
+
+    # ---- auth ---------------------------------------------------------------------------------
+    def check_api_key(self, request: Request) -> None:
+        if not self.config.api_keys:
+            return
+        given = _bearer(request)
+        if given is None or not any(hmac.compare_digest(given, k.get_secret_value()) for k in self.config.api_keys):
+            raise api.ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)", None,
+                               "invalid_api_key")
+
+    def check_admin(self, request: Request) -> None:
+        token = self.config.admin_token
+        given = _bearer(request)
+        if given is None:
+            raise api.ApiError(401, "admin endpoints need Authorization: Bearer <admin token>", None,
+                               "missing_admin_token")
+        if token is None or not hmac.compare_digest(given, token.get_secret_value()):
+            why = "no admin_token is configured: admin endpoints are disabled" if token is None else "wrong admin token"
+            raise api.ApiError(403, why, None, "invalid_admin_token")
+
+    # ---- statuses -----------------------------------------------------------------------------
+    async def statuses(self) -> list:
+        async def one(slot):
+            try:
+                return await asyncio.wait_for(slot.replica.status(), STATUS_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - one silent replica must not hide the others
+                log.warning("status of %s failed: %s", slot.replica.name, e)
+                return None
+
+        return [s for s in await asyncio.gather(*(one(s) for s in self.router.slots)) if s is not None]
+
+    async def refresh_versions(self) -> None:
+        for st in await self.statuses():
+            for slot in self.router.slots:
+                if slot.replica.name == st.replica:
+                    slot.version = st.head_version
+
+    # ---- completions --------------------------------------------------------------------------
+    def _record(self, endpoint: str, status: int, finished: Optional[Finished] = None) -> None:
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        if finished is not None:
+            self.metrics.observe(finished.spec, finished.completion_tokens)
+            self.samples.add(finished.spec, finished.request_id, finished.completion_tokens)
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+        self.check_api_key(request)
+        body = api.parse_json(await request.body())
+        parse = api.parse_chat if chat else api.parse_completion
+        b, req = parse(body, self.config.max_tokens_limit, self.config.default_max_tokens)
+        if b.model != self.config.model_name:
+            raise api.ApiError(404, f"the model {b.model!r} does not exist; this server serves "
+                                    f"{self.config.model_name!r}", "model", "model_not_found")
+        stack = AsyncExitStack()
+        try:
+            slot = await stack.enter_async_context(self.router.lease(req.head))
+        except QueueFull as e:
+            raise api.ApiError(429, str(e), None, "queue_full") from None
+        except NoReplica as e:
+            raise api.ApiError(400, str(e), "metadata.head", "unknown_head") from None
+        events = slot.replica.stream(req)
+        stack.push_async_callback(events.aclose)
+        try:
+            first = await events.__anext__()
+        except BaseException:
+            await stack.aclose()
+            raise
+        if isinstance(first, Refused):
+            await stack.aclose()
+            raise api.ApiError(first.status, first.message, first.param, first.code)
+        if b.stream:
+            return StreamingResponse(self._sse(events, stack, req.request_id, chat, endpoint),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        async with stack:
+            finished = None
+            async for event in events:
+                if isinstance(event, Refused):
+                    raise api.ApiError(event.status, event.message, event.param, event.code)
+                if isinstance(event, Finished):
+                    finished = event
+        if finished is None:
+            raise api.ApiError(500, "the replica ended the request without a result", None, "server_error")
+        self._record(endpoint, 200, finished)
+        make = api.chat_response if chat else api.completion_response
+        return JSONResponse(make(req.request_id, self.config.model_name, finished))
+
+    async def _sse(self, events, stack: AsyncExitStack, rid: str, chat: bool, endpoint: str):
+        model = self.config.model_name
+        async with stack:
+            if chat:
+                yield api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
+            async for event in events:
+                if isinstance(event, Delta):
+                    yield api.sse(api.chat_chunk(rid, model, {"content": event.text}) if chat
+                                  else api.completion_chunk(rid, model, event.text))
+                elif isinstance(event, Finished):
+                    self._record(endpoint, 200, event)
+                    yield api.sse(api.chat_chunk(rid, model, {}, event) if chat
+                                  else api.completion_chunk(rid, model, "", event))
+                elif isinstance(event, Refused):  # after the 200 went out: an error event, then the end
+                    self._record(endpoint, event.status)
+                    yield api.sse(api.ApiError(event.status, event.message, event.param, event.code).body())
+                    break
+            yield api.SSE_DONE
+
+    # ---- admin --------------------------------------------------------------------------------
+    async def admin_status(self) -> dict:
+        canary = self.router.canary
+        return {"replicas": [s.to_json() for s in await self.statuses()],
+                "serving_versions": self.router.serving_versions(), "champion": self.fleet.champion,
+                "canary": None if canary is None else {"version": canary.version, "fraction": canary.fraction},
+                "queue": {"waiting": self.router.waiting, "busy": self.router.busy, "size": self.config.queue_size}}
+
+    async def admin_swap(self, request: Request) -> JSONResponse:
+        body = api.validate_body(SwapBody, api.parse_json(await request.body()))
+        results = await self.fleet.aswap(body.version)
+        ok = all(r.ok for r in results)
+        return JSONResponse({"ok": ok, "results": [r.__dict__ for r in results],
+                             "serving_versions": self.router.serving_versions()}, status_code=200 if ok else 409)
+
+    async def admin_canary(self, request: Request) -> JSONResponse:
+        body = api.validate_body(CanaryBody, api.parse_json(await request.body()))
+        try:
+            results = await self.fleet.aset_canary(body.version, body.fraction)
+        except ValueError as e:
+            raise api.ApiError(409, str(e), "version", "canary_refused") from None
+        return JSONResponse({"ok": True, "results": [r.__dict__ for r in results],
+                             "serving_versions": self.router.serving_versions(),
+                             "canary": None if body.version is None else body.model_dump()})
+
+    async def render_metrics(self) -> Response:
+        canary = self.router.canary
+        self.metrics.refresh(await self.statuses(), self.router.waiting, self.router.busy,
+                             canary.fraction if canary else 0.0)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(config: ServingConfig, replicas: Sequence[Union[Replica, DecodeServer]], *, rng=None) -> FastAPI:
+    """The gateway over `replicas` (DecodeServers in this process, or Replica handles such as
+    router.RayReplica). `app.state.gateway.fleet` is the GatewayFleet the policy drives."""
+    gw = Gateway(config, replicas, rng)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gw.fleet.loop = asyncio.get_running_loop()
+        await gw.refresh_versions()
+        yield
+        gw.fleet.loop = None
+
+    app = FastAPI(title="adaptive-eagle gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gw
+
+    @app.exception_handler(api.ApiError)
+    async def _api_error(request: Request, exc: api.ApiError):
+        gw.metrics.requests.labels(request.url.path, str(exc.status)).inc()
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await gw.complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await gw.complete(request, chat=False)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        gw.check_api_key(request)
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "adaptive-eagle",
+                                            "adaptive_eagle": {"heads": gw.router.serving_versions()}}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "replicas": len(gw.router.slots), "busy": gw.router.busy,
+                "waiting": gw.router.waiting, "serving_versions": gw.router.serving_versions()}
+
+    @app.get("/metrics")
+    async def metrics():
+        return await gw.render_metrics()
+
+    @app.get("/admin/status")
+    async def admin_status(request: Request):
+        gw.check_admin(request)
+        return await gw.admin_status()
+
+    @app.post("/admin/swap")
+    async def admin_swap(request: Request):
+        gw.check_admin(request)
+        return await gw.admin_swap(request)
+
+    @app.post("/admin/canary")
+    async def admin_canary(request: Request):
+        gw.check_admin(request)
+        return await gw.admin_canary(request)
+
+    return app
+
+
+class GatewayThread:
+    """Serve an app with uvicorn on a background thread (tests, benchmarks, the local stack)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                                    access_log=False))
+        self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
+        self.url = ""
+
+    def start(self, timeout: float = 30.0) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.02)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)

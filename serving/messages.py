@@ -1,0 +1,123 @@
+"""What travels between the gateway and a replica: one decode request in, a stream of events out.
+
+Owns: `DecodeRequest` (pydantic: it crosses the gateway -> replica boundary, a Ray process boundary
+when replicas are actors), the events a replica yields (`Started`, `Delta`, `Finished`, `Refused`),
+`SpecMetrics` (the speculative metrics every response carries), `ServerStatus`. Must not touch:
+HTTP (the gateway maps these to OpenAI JSON), engines, the store.
+
+Vocabulary: accept length = tokens committed per verify step, bonus token included (1.0 = plain
+decoding speed); draft tokens = tokens verified (tree sizes summed); accepted drafts = draft tokens
+the target kept. Head version "none" = plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from adaptive_eagle.trace import SamplingParams
+
+PLAIN = "none"  # the head version of plain decoding (same label as the registry and the policy)
+
+
+class DecodeRequest(BaseModel):
+    """One request as a replica sees it. The prompt is exactly one of `messages` (chat-templated),
+    `prompt` text (tokenized as is) or `prompt` token ids."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id: str = Field(..., min_length=1, description="unique id (also the trace's request_id)")
+    messages: Optional[tuple[dict[str, str], ...]] = Field(None, description="chat messages {role, content}")
+    prompt: Optional[Union[str, tuple[int, ...]]] = Field(None, description="raw text or token ids")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    max_tokens: int = Field(256, ge=1)
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = Field((), description="stop strings; not included in the output")
+    tenant: str = Field("default", min_length=1)
+    domain: Optional[str] = Field(None, description="domain tag carried into the trace (code, math, ...)")
+    capture: bool = Field(True, description="False: the request opted out; never stored, never indexed")
+    head: Optional[str] = Field(None, description="routing only: the head version the caller asked for")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=self.max_tokens, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class SpecMetrics:
+    """The speculative metrics of one finished request (the `adaptive_eagle` field of a response)."""
+
+    head_version: str  # the head the request was bound to ("none": plain decoding)
+    accept_length: float  # tokens per verify step, bonus included
+    verify_steps: int
+    draft_tokens: int  # tokens verified, summed over steps
+    accepted_drafts: int  # draft tokens the target kept
+    backend: str = "reference"
+    replica: str = ""
+    elapsed_s: float = 0.0
+    tpot_s: float = 0.0  # wall seconds per output token
+    tokens_per_s: float = 0.0
+    captured: str = "no"  # "hidden" | "tokens" | "no" | "opted_out" | "dropped"
+    domain: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Started:
+    request_id: str
+    prompt_tokens: int
+    replica: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # new text since the previous delta
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    request_id: str
+    text: str  # the whole completion (stop string cut off)
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    spec: SpecMetrics
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request the replica will not run: `status` is the HTTP status the gateway answers with."""
+
+    status: int
+    message: str
+    param: Optional[str] = None  # the request field at fault
+    code: str = "invalid_request"
+
+
+Event = Union[Started, Delta, Finished, Refused]
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    replica: str
+    head_version: str
+    backend: str
+    running: int  # 0 or 1: one request at a time per replica
+    waiting: int
+    served: int
+    refused: int
+    failed: int
+    cancelled: int
+    capture: dict = field(default_factory=dict)  # CaptureSampler counters
+    store: Optional[dict] = None  # StoreWriter stats (None: no store)
+    info: dict = field(default_factory=dict)  # the backend's info()
+
+    def to_json(self) -> dict:
+        return asdict(self)

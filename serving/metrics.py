@@ -1,0 +1,71 @@
+"""Prometheus metrics of one gateway, in its own CollectorRegistry (never the global default one,
+so two apps in one process, as in tests, never collide).
+
+Owns: metric names, labels and buckets; `observe` for a finished request, `refresh` from replica
+statuses at scrape time. Must not touch: routing, decoding.
+
+Per-request acceptance is a histogram by head version and domain, so tail acceptance (the policy's
+gate) can be read from /metrics, unlike SGLang's batch-level gauges.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from serving.messages import ServerStatus, SpecMetrics
+
+ACCEPT_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1000)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.accept_length = Histogram("ae_accept_length", "Per-request accept length (tokens per verify step, bonus "
+                                       "included)", ["head_version", "domain"], buckets=ACCEPT_BUCKETS, registry=r)
+        self.tpot = Histogram("ae_time_per_output_token_seconds", "Per-request wall time per output token",
+                              ["head_version"], buckets=TPOT_BUCKETS, registry=r)
+        self.tokens_per_s = Histogram("ae_tokens_per_second", "Per-request output tokens per second",
+                                      ["head_version"], buckets=RATE_BUCKETS, registry=r)
+        self.completion_tokens = Counter("ae_completion_tokens", "Output tokens", ["head_version"], registry=r)
+        self.requests = Counter("ae_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
+                                registry=r)
+        self.queue_depth = Gauge("ae_queue_depth", "Requests waiting for a free replica", registry=r)
+        self.busy_replicas = Gauge("ae_busy_replicas", "Replicas decoding a request now", registry=r)
+        self.replica_head = Gauge("ae_replica_head_info", "1 for the head version each replica serves",
+                                  ["replica", "head_version"], registry=r)
+        self.capture = Gauge("ae_capture_records", "Capture decisions per replica (hidden, tokens, skipped, "
+                             "over_budget, opted_out)", ["replica", "kind"], registry=r)
+        self.capture_dropped = Gauge("ae_capture_dropped", "Records the store writer dropped (store slow or down)",
+                                     ["replica"], registry=r)
+        self.store_written = Gauge("ae_capture_written", "Records the store acknowledged", ["replica"], registry=r)
+        self.canary_fraction = Gauge("ae_canary_fraction", "Share of requests routed to the canary head",
+                                     registry=r)
+
+    def observe(self, spec: SpecMetrics, tokens: int) -> None:
+        v = spec.head_version
+        self.accept_length.labels(v, spec.domain or "none").observe(spec.accept_length)
+        if tokens:
+            self.tpot.labels(v).observe(spec.tpot_s)
+            self.tokens_per_s.labels(v).observe(spec.tokens_per_s)
+            self.completion_tokens.labels(v).inc(tokens)
+
+    def refresh(self, statuses: Iterable[ServerStatus], waiting: int, busy: int, canary_fraction: float) -> None:
+        self.queue_depth.set(waiting)
+        self.busy_replicas.set(busy)
+        self.canary_fraction.set(canary_fraction)
+        self.replica_head.clear()
+        for s in statuses:
+            self.replica_head.labels(s.replica, s.head_version).set(1)
+            for kind in ("hidden", "tokens", "skipped", "over_budget", "opted_out"):
+                self.capture.labels(s.replica, kind).set(s.capture.get(kind, 0))
+            store = s.store or {}
+            # the writer counts every record it drops (put refused, store down); without a writer, the server's count
+            self.capture_dropped.labels(s.replica).set(store.get("dropped", s.capture.get("dropped_at_put", 0)))
+            self.store_written.labels(s.replica).set(store.get("written", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

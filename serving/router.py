@@ -1,0 +1,155 @@
+"""Replicas as the gateway sees them, and the router that leases them to requests.
+
+Owns: the async `Replica` interface over an in-process `DecodeServer` (`LocalReplica`) or a Ray
+`ServerActor` (`RayReplica`); the `Router`: one request per replica at a time, a bounded wait
+queue with back-pressure (`QueueFull` -> 429), the head each replica serves, and canary routing (a
+fraction of requests to the replicas serving the candidate, or a per-request head override). Must
+not touch: HTTP (gateway.py), decoding (server.py), swap policy (fleet.py decides what to swap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Protocol
+
+from adaptive_eagle.binding import SwapResult
+from serving.messages import PLAIN, DecodeRequest, Event, ServerStatus
+from serving.server import DecodeServer
+
+
+class Replica(Protocol):
+    name: str
+
+    def stream(self, request: DecodeRequest) -> AsyncIterator[Event]: ...
+
+    async def swap_head(self, version: str) -> SwapResult: ...
+
+    async def status(self) -> ServerStatus: ...
+
+
+class LocalReplica:
+    """A DecodeServer in the gateway's process (its decode thread keeps the event loop free)."""
+
+    def __init__(self, server: DecodeServer) -> None:
+        self.server, self.name = server, server.name
+
+    def stream(self, request: DecodeRequest) -> AsyncIterator[Event]:
+        return self.server.astream(request)
+
+    async def swap_head(self, version: str) -> SwapResult:
+        return await asyncio.to_thread(self.server.swap_head, version)
+
+    async def status(self) -> ServerStatus:
+        return await asyncio.to_thread(self.server.status)
+
+
+class RayReplica:
+    """A ServerActor handle; events come back through a Ray streaming generator."""
+
+    def __init__(self, handle, name: str) -> None:
+        self.handle, self.name = handle, name
+
+    async def stream(self, request: DecodeRequest) -> AsyncIterator[Event]:
+        refs = self.handle.stream.options(num_returns="streaming").remote(request)
+        async for ref in refs:
+            yield await ref
+
+    async def swap_head(self, version: str) -> SwapResult:
+        return await self.handle.swap_head.remote(version)
+
+    async def status(self) -> ServerStatus:
+        return await self.handle.status.remote()
+
+
+class QueueFull(Exception):
+    """Every eligible replica is busy and the wait queue is full (or the wait timed out)."""
+
+
+class NoReplica(Exception):
+    """No replica serves the head version a request asked for."""
+
+
+@dataclass
+class Slot:
+    replica: Replica
+    version: str  # the head it serves ("none": plain decoding)
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class Canary:
+    version: str
+    fraction: float  # share of requests routed to the replicas serving `version`
+
+
+class Router:
+    def __init__(self, replicas: list[Replica], versions: list[str], queue_size: int, wait_timeout_s: float,
+                 rng: Optional[random.Random] = None) -> None:
+        if len(replicas) != len(versions) or not replicas:
+            raise ValueError("one version per replica, and at least one replica")
+        self.slots = [Slot(r, v) for r, v in zip(replicas, versions)]
+        self.queue_size, self.wait_timeout_s = queue_size, wait_timeout_s
+        self.canary: Optional[Canary] = None
+        self.waiting = 0
+        self._rng = rng or random.Random()
+        self._cond = asyncio.Condition()
+
+    # ---- views --------------------------------------------------------------------------------
+    def serving_versions(self) -> list[str]:
+        return sorted({s.version for s in self.slots})
+
+    @property
+    def busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    def set_version(self, replica: Replica, version: Optional[str]) -> None:
+        for s in self.slots:
+            if s.replica is replica:
+                s.version = PLAIN if version is None else version
+
+    # ---- leasing --------------------------------------------------------------------------------
+    def _pool(self, head: Optional[str]):
+        """Which replicas may serve this request (a predicate over slots)."""
+        if head is not None:
+            if head not in self.serving_versions():
+                raise NoReplica(f"no replica serves head {head!r}; serving: {', '.join(self.serving_versions())}")
+            return lambda s: s.version == head
+        canary = self.canary
+        if canary is None or canary.version not in self.serving_versions():
+            return lambda s: True
+        if self._rng.random() < canary.fraction:
+            return lambda s: s.version == canary.version
+        return lambda s: s.version != canary.version
+
+    def _free(self, eligible) -> Optional[Slot]:
+        return next((s for s in self.slots if eligible(s) and not s.busy), None)
+
+    @asynccontextmanager
+    async def lease(self, head: Optional[str] = None) -> AsyncIterator[Slot]:
+        """A free replica for one request (waiting in the bounded queue if none is free)."""
+        eligible = self._pool(head)
+        async with self._cond:
+            slot = self._free(eligible)
+            if slot is None:
+                if self.waiting >= self.queue_size:
+                    raise QueueFull(f"all {sum(map(eligible, self.slots))} eligible replicas are busy and "
+                                    f"{self.waiting} requests already wait (queue_size {self.queue_size}); retry later")
+                self.waiting += 1
+                try:
+                    await asyncio.wait_for(self._cond.wait_for(lambda: self._free(eligible) is not None),
+                                           self.wait_timeout_s)
+                except asyncio.TimeoutError:
+                    raise QueueFull(f"no replica became free within {self.wait_timeout_s:g} s; retry later") from None
+                finally:
+                    self.waiting -= 1
+                slot = self._free(eligible)
+            slot.busy = True
+        try:
+            yield slot
+        finally:
+            async with self._cond:
+                slot.busy = False
+                self._cond.notify_all()

@@ -1,0 +1,241 @@
+"""DecodeServer: one replica, Ray-free. A backend, a capture sampler and an optional store writer.
+
+Owns: running one request at a time on the replica's decode thread (`stream` on the caller's
+thread under a lock; `astream` on a single worker thread, so an event loop stays responsive while
+the replica decodes), turning backend tokens into text deltas (stop strings cut, never half
+emitted), capture (decide after the request, `StoreWriter.put` never blocks or raises), the
+speculative metrics of each response, counters and status, and the hot-swap entry point
+`swap_head(version) -> SwapResult`. Must not touch: HTTP, routing, Ray (actor.py is the shell).
+
+A swap runs on the caller's thread while a request decodes: the engine binds a request's head when
+it starts, so the request in flight finishes on its head and the next one uses the new head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Iterator, Optional
+
+from adaptive_eagle.binding import SwapResult
+from adaptive_eagle.engine import GenerationError
+from serving.backend import Backend, BackendResult, RequestError, TokenChunk
+from serving.capture import CapturePolicy, CaptureSampler
+from serving.messages import (PLAIN, DecodeRequest, Delta, Event, Finished, Refused, ServerStatus, SpecMetrics,
+                              Started)
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+class TextStream:
+    """Incremental detokenisation: emits text that can no longer change, holding back a possible
+    partial stop string and an incomplete UTF-8 character; `finish` returns the rest, cut at the
+    first stop string."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
+        self.decode, self.stop = decode, tuple(s for s in stop if s)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def _cut(self, text: str) -> tuple[str, bool]:
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return (text[: min(hits)], True) if hits else (text, False)
+
+    def push(self, token_ids) -> str:
+        self.ids.extend(token_ids)
+        text, stopped = self._cut(self.decode(self.ids))
+        if not stopped and self.hold:
+            text = text[: max(0, len(text) - self.hold)]
+        text = text.rstrip("\ufffd")
+        if len(text) <= len(self.emitted) or not text.startswith(self.emitted):
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+    def finish(self, token_ids) -> tuple[str, str]:
+        """(the whole text, what was not emitted yet)."""
+        text, _ = self._cut(self.decode(list(token_ids)))
+        rest = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        return text, rest
+
+
+def spec_metrics(result: BackendResult, backend: str, replica: str, captured: str, domain) -> SpecMetrics:
+    steps = result.trace.steps
+    n = len(result.token_ids)
+    return SpecMetrics(
+        head_version=result.trace.head_version or PLAIN, accept_length=round(result.trace.accept_length_mean, 4),
+        verify_steps=len(steps), draft_tokens=sum(s.tree_size for s in steps),
+        accepted_drafts=sum(s.accept_length for s in steps), backend=backend, replica=replica,
+        elapsed_s=round(result.elapsed_s, 6), tpot_s=round(result.elapsed_s / n, 6) if n else 0.0,
+        tokens_per_s=round(n / result.elapsed_s, 3) if result.elapsed_s > 0 else 0.0, captured=captured,
+        domain=domain)
+
+
+class DecodeServer:
+    def __init__(self, backend: Backend, capture: Optional[CapturePolicy] = None, writer=None, *,
+                 name: str = "replica-0") -> None:
+        """writer: a feature_store StoreWriter (or anything with put/stats), None = nothing stored."""
+        self.backend, self.writer, self.name = backend, writer, name
+        self.sampler = CaptureSampler(capture or CapturePolicy(enabled=False))
+        self._decode_lock = threading.Lock()  # one request at a time per replica
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{name}")
+        self._lock = threading.Lock()
+        self._c = {"running": 0, "waiting": 0, "served": 0, "refused": 0, "failed": 0, "cancelled": 0,
+                   "capture_dropped": 0}
+
+    def _count(self, key: str, delta: int = 1) -> None:
+        with self._lock:
+            self._c[key] += delta
+
+    # ---- requests -----------------------------------------------------------------------------
+    def stream(self, request: DecodeRequest, cancel: Optional[threading.Event] = None) -> Iterator[Event]:
+        """Run one request on the caller's thread: Started (or Refused), Delta*, then Finished."""
+        self._count("waiting")
+        with self._decode_lock:
+            self._count("waiting", -1)
+            self._count("running")
+            try:
+                yield from self._run(request, cancel or threading.Event())
+            finally:
+                self._count("running", -1)
+
+    def _run(self, request: DecodeRequest, cancel: threading.Event) -> Iterator[Event]:
+        if cancel.is_set():  # the caller left while the request was queued
+            self._count("cancelled")
+            return
+        try:
+            prompt_ids = self.backend.prepare(request)
+        except RequestError as e:
+            self._count("refused")
+            yield Refused(e.status, e.message, e.param, e.code)
+            return
+        yield Started(request.request_id, len(prompt_ids), self.name)
+        text = TextStream(self.backend.decode, request.stop)
+        result = None
+        items = self.backend.stream(request, prompt_ids, self.sampler.wants_hidden(request.capture))
+        try:
+            for item in items:
+                if cancel.is_set():
+                    self._count("cancelled")
+                    return
+                if isinstance(item, TokenChunk):
+                    if delta := text.push(item.token_ids):
+                        yield Delta(delta, item.token_ids)
+                elif isinstance(item, BackendResult):
+                    result = item
+        except (GenerationError, RequestError) as e:
+            self._count("refused")
+            yield Refused(400, str(e))
+            return
+        except Exception as e:  # noqa: BLE001 - one failed request must not take the replica down
+            log.exception("replica %s: request %s failed", self.name, request.request_id)
+            self._count("failed")
+            yield Refused(500, f"decoding failed: {type(e).__name__}: {e}", code="server_error")
+            return
+        finally:
+            items.close()
+        yield from self._finish(request, prompt_ids, text, result)
+
+    def _finish(self, request: DecodeRequest, prompt_ids, text: TextStream, result: BackendResult) -> Iterator[Event]:
+        full, rest = text.finish(result.token_ids)
+        if rest:
+            yield Delta(rest)
+        captured = self._capture(request, result)
+        spec = spec_metrics(result, self.backend.name, self.name, captured, request.domain)
+        self._count("served")
+        yield Finished(request.request_id, full, result.finish_reason, len(prompt_ids), len(result.token_ids), spec)
+
+    def _capture(self, request: DecodeRequest, result: BackendResult) -> str:
+        trace = result.trace
+        hidden = trace.aux_hidden.nbytes if trace.aux_hidden is not None else 0
+        d = self.sampler.decide(trace.accept_length_mean, trace.head_version or PLAIN, hidden,
+                                8 * len(trace.input_ids), consent=request.capture)
+        if self.writer is None:
+            return d.label if not d.keep else "no"
+        if not request.capture:
+            self.writer.put(trace.without_hidden())  # never stored: the writer counts the opt-out
+            return d.label
+        if not d.keep:
+            return d.label
+        if self.writer.put(trace if d.hidden else trace.without_hidden()):  # never blocks, never raises
+            return d.label
+        self._count("capture_dropped")
+        return "dropped"
+
+    def generate(self, request: DecodeRequest) -> Finished | Refused:
+        last = None
+        for event in self.stream(request):
+            if isinstance(event, (Finished, Refused)):
+                last = event
+        return last
+
+    async def astream(self, request: DecodeRequest) -> AsyncIterator[Event]:
+        """`stream` on the replica's decode thread; the caller's event loop stays free. Leaving the
+        iteration early cancels the request between verify steps."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancel = threading.Event()
+
+        def post(item) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone: nobody is listening any more
+                cancel.set()
+
+        def work() -> None:
+            try:
+                for event in self.stream(request, cancel):
+                    post(event)
+            except BaseException as e:  # noqa: BLE001 - reported to the caller, never lost
+                post(Refused(500, f"decoding failed: {type(e).__name__}: {e}", code="server_error"))
+            finally:
+                post(_DONE)
+
+        self._count("waiting")  # until the decode thread picks it up (stream counts it again there)
+
+        def run() -> None:
+            self._count("waiting", -1)
+            work()
+
+        loop.run_in_executor(self._executor, run)
+        try:
+            while (item := await queue.get()) is not _DONE:
+                yield item
+        finally:
+            cancel.set()  # a request still queued stops before its first verify step
+
+    # ---- swap and status ----------------------------------------------------------------------
+    def swap_head(self, version: str) -> SwapResult:
+        """Serve `version` ("none" = plain decoding) from the next request on. Never waits for, fails
+        or stalls the request in flight."""
+        res = self.backend.swap_head(version)
+        log.info("replica %s: swap to %s: %s", self.name, version, res.message)
+        return res
+
+    @property
+    def head_version(self) -> str:
+        return self.backend.head_version
+
+    def status(self) -> ServerStatus:
+        with self._lock:
+            c = dict(self._c)
+        store = None
+        if self.writer is not None:
+            try:
+                s = self.writer.stats()
+                store = s.__dict__ if hasattr(s, "__dict__") else dict(s)
+            except Exception as e:  # noqa: BLE001 - status never fails because of the store
+                store = {"error": str(e)}
+        capture = dict(self.sampler.stats(), dropped_at_put=c["capture_dropped"])
+        return ServerStatus(replica=self.name, head_version=self.backend.head_version, backend=self.backend.name,
+                            running=c["running"], waiting=c["waiting"], served=c["served"], refused=c["refused"],
+                            failed=c["failed"], cancelled=c["cancelled"], capture=capture, store=store,
+                            info=self.backend.info())
+
+    def close(self) -> None:
+        """Stop the decode thread (after the request in flight). The writer belongs to the caller."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
