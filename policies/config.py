@@ -1,0 +1,133 @@
+"""PolicyConfig: the one pydantic model that configures the promotion policy (gates, canary, rollback
+watch, cold start). It crosses config files and processes, so it is frozen, forbids unknown fields and
+range-checks every field; an error names the field and its allowed range.
+
+Owns: the policy's numbers and their meaning. Must not touch: the registry, the fleet, the log.
+
+Units. Accept length is tokens committed per verify step, bonus token included (>= 1). Tolerances
+and margins are fractions of the champion's value (0.02 = the candidate may be 2% lower), so one
+setting means the same for accept length (higher is better) and, in the cold start, for wall time
+per output token (lower is better).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class PolicyConfigError(ValueError):
+    """A policy config was refused; the message names the field, the value and the allowed range."""
+
+
+class PolicyConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # ---- the tail and its confidence interval ----
+    tail_quantile: float = Field(0.05, gt=0.0, lt=0.5, description=(
+        "quantile of per-request accept length that the gates compare (0.05: the 5th percentile, which sets "
+        "P95 time per output token); in (0, 0.5)"))
+    confidence_level: float = Field(0.95, gt=0.5, lt=1.0, description=(
+        "one-sided confidence level of 'the candidate's tail is higher'; 1 - level is the false-promotion "
+        "rate a gate allows; in (0.5, 1)"))
+    bootstrap_resamples: int = Field(2000, ge=200, le=100_000, description=(
+        "bootstrap resamples for the confidence interval of the tail difference; in [200, 100000]"))
+
+    # ---- sample counts ----
+    min_samples: int = Field(200, ge=20, le=10_000_000, description=(
+        "fewest requests per head (champion and candidate) before the offline gate decides; in [20, 1e7]"))
+    min_domain_samples: int = Field(100, ge=5, le=10_000_000, description=(
+        "a domain is checked for regression only when both heads have this many of its requests; in [5, 1e7]"))
+
+    # ---- regression tolerances (fractions of the champion's value) ----
+    domain_tolerance: float = Field(0.03, ge=0.0, le=0.5, description=(
+        "largest allowed drop of a domain's tail or mean, as a fraction of the champion's; in [0, 0.5]"))
+    mean_tolerance: float = Field(0.01, ge=0.0, le=0.5, description=(
+        "largest allowed drop of the overall mean, as a fraction of the champion's; in [0, 0.5]"))
+
+    # ---- live canary ----
+    canary_fraction: float = Field(0.1, gt=0.0, le=0.5, description=(
+        "fraction of live requests that decode with the candidate during a canary; in (0, 0.5]"))
+    canary_min_requests: int = Field(200, ge=20, le=10_000_000, description=(
+        "live requests per head (candidate and champion) before the canary decides; in [20, 1e7]"))
+
+    # ---- rollback watch after a promotion ----
+    rollback_window: int = Field(200, ge=20, le=10_000_000, description=(
+        "requests of the new champion watched after a promotion before the watch ends; in [20, 1e7]"))
+    collapse_min_requests: int = Field(20, ge=5, le=10_000_000, description=(
+        "requests after which a collapse (mean accept length at or under collapse_accept_length) rolls back "
+        "at once, without waiting for the whole window; in [5, 1e7]"))
+    collapse_accept_length: float = Field(1.05, ge=1.0, le=2.0, description=(
+        "mean accept length at or under which a head counts as collapsed (1.0 = nothing accepted); in [1, 2]"))
+    rollback_margin: float = Field(0.05, gt=0.0, le=0.5, description=(
+        "roll back when the new champion's tail is below the previous champion's baseline by more than this "
+        "fraction, with the whole confidence interval below; in (0, 0.5]"))
+
+    # ---- cold start (champion 'none') ----
+    cold_start_tpot_quantile: float = Field(0.95, ge=0.5, lt=1.0, description=(
+        "the cold-start gate compares this quantile of wall seconds per output token (0.95: P95 TPOT); a head "
+        "replaces plain decoding only when it is lower than plain decoding's; in [0.5, 1)"))
+
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the bootstrap resampling (reproducible gates); in [0, 2**32 - 1]")
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        if self.min_domain_samples > self.min_samples:
+            raise ValueError(f"min_domain_samples ({self.min_domain_samples}) must be <= min_samples "
+                             f"({self.min_samples})")
+        if self.collapse_min_requests > self.rollback_window:
+            raise ValueError(f"collapse_min_requests ({self.collapse_min_requests}) must be <= rollback_window "
+                             f"({self.rollback_window})")
+        return self
+
+    @classmethod
+    def make(cls, **fields: Any) -> "PolicyConfig":
+        """Construct, turning a pydantic error into a PolicyConfigError naming each field and its range."""
+        try:
+            return cls(**fields)
+        except ValidationError as e:
+            raise PolicyConfigError(explain(e)) from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "PolicyConfig":
+        """Read a YAML (.yaml/.yml) or JSON file holding the fields (a mapping; missing fields keep their
+        defaults). A missing file or bad field is a PolicyConfigError naming the path."""
+        path = Path(path)
+        if not path.is_file():
+            raise PolicyConfigError(f"{path}: no such policy config file")
+        text = path.read_text()
+        try:
+            if path.suffix.lower() in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as e:  # yaml.YAMLError or json.JSONDecodeError: both name the line
+            raise PolicyConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {e}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise PolicyConfigError(f"{path}: expected a mapping of policy fields, got {type(data).__name__}")
+        try:
+            return cls(**data)
+        except ValidationError as e:
+            raise PolicyConfigError(f"{path}: {explain(e)}") from None
+
+
+def explain(error: ValidationError) -> str:
+    """One line per bad field: its name, the value given, what is allowed (the field's description)."""
+    lines = []
+    for err in error.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "config"
+        field = PolicyConfig.model_fields.get(name)
+        allowed = f" (allowed: {field.description.rsplit('; ', 1)[-1]})" if field and field.description else ""
+        given = f", got {err['input']!r}" if "input" in err and name != "config" else ""
+        lines.append(f"{name}: {err['msg']}{given}{allowed}")
+    return "; ".join(lines)
+
+
+__all__ = ["PolicyConfig", "PolicyConfigError", "explain"]

@@ -1,0 +1,303 @@
+"""Gates: pure functions from per-request samples of two heads to a Decision (promote, reject, continue,
+rollback, hold) with a one-sentence reason and the evidence (every number the decision used).
+
+Owns: the statistics of the policy. Must not touch: the registry, the fleet, the log, the clock, any I/O;
+the same inputs always give the same Decision (the bootstrap is seeded from the config).
+
+Vocabulary. The *champion* is the head serving now ("none": plain decoding), the *candidate* the head
+that wants to replace it. The *tail* is a low quantile of per-request accept length (config.tail_quantile,
+0.05: the requests that set P95 time per output token); in the cold start (champion "none") it is a high
+quantile of wall seconds per output token (TPOT, config.cold_start_tpot_quantile). The *tail gain* is how
+much better the candidate's tail is, in the metric's units (positive = better). Its confidence interval
+is a percentile bootstrap (scipy.stats.bootstrap) at two-sided level 2·L − 1, so that its lower bound is
+the one-sided bound at the configured level L: a gate promotes only when that bound is > 0, which
+allows false promotions at a rate of about 1 − L. Samples of the same records (offline replay, the same
+request_id in both) are resampled in pairs, which removes the records' own variance from the difference.
+
+Promote only when (checked in this order; the first failure is the reason): both heads have enough
+samples, the tail gain's lower bound is > 0, the mean does not drop by more than config.mean_tolerance,
+and no domain with at least config.min_domain_samples requests of each head drops (tail or mean) by more
+than config.domain_tolerance (domains are checked when the samples have two or more; untagged requests
+form the domain "-").
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Sequence
+
+import numpy as np
+from scipy.stats import bootstrap
+
+from policies.config import PolicyConfig
+from policies.samples import PLAIN, RequestSample
+
+Action = Literal["promote", "reject", "continue", "rollback", "hold"]
+PROMOTE, REJECT, CONTINUE, ROLLBACK, HOLD = "promote", "reject", "continue", "rollback", "hold"
+ACTIONS = (PROMOTE, REJECT, CONTINUE, ROLLBACK, HOLD)
+NO_DOMAIN = "-"  # the domain column of requests without a domain tag
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a gate (or the controller) decided, why in one sentence, and the numbers behind it."""
+
+    action: Action  # promote | reject | continue (need more data) | rollback | hold (keep what serves)
+    reason: str  # one sentence an on-call engineer reads
+    evidence: dict = field(default_factory=dict)  # JSON-ready: Comparison.as_dict() plus the gate's name
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"action must be one of {ACTIONS}, got {self.action!r}")
+
+
+@dataclass(frozen=True)
+class DomainRow:
+    """One domain's figures (natural units of the metric)."""
+
+    domain: str
+    n_champion: int
+    n_candidate: int
+    tail_champion: float | None  # None when the head has no request of the domain
+    tail_candidate: float | None
+    mean_champion: float | None
+    mean_candidate: float | None
+    checked: bool  # there are >= 2 domains and both heads have config.min_domain_samples requests of this one
+    regressed: bool  # checked, and the tail or the mean dropped by more than config.domain_tolerance
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Champion versus candidate on one metric; natural units (TPOT in seconds, accept length in tokens)."""
+
+    metric: str  # "accept_length" (higher is better) or "tpot_s" (lower is better)
+    higher_is_better: bool
+    quantile: float  # the tail quantile in natural units (0.05 of accept length, 0.95 of TPOT)
+    paired: bool  # resampled in pairs of the same request_id
+    n_champion: int
+    n_candidate: int
+    tail_champion: float
+    tail_candidate: float
+    tail_gain: float  # how much better the candidate's tail is (positive = better), natural units
+    ci_low: float  # bounds of tail_gain's interval; ci_low is the one-sided bound at `level`
+    ci_high: float
+    level: float
+    mean_champion: float
+    mean_candidate: float
+    mean_gain: float  # positive = better
+    domains: tuple[DomainRow, ...] = ()
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["domains"] = [asdict(r) for r in self.domains]
+        return d
+
+
+# ---- the statistics ---------------------------------------------------------------------------
+def _tail(scores: np.ndarray, q: float) -> float:
+    return float(np.quantile(scores, q))
+
+
+def tail_gain_interval(champion: np.ndarray, candidate: np.ndarray, *, q: float, level: float, resamples: int,
+                       seed: int, paired: bool) -> tuple[float, float]:
+    """Percentile-bootstrap interval of quantile(candidate, q) − quantile(champion, q), two-sided at 2·level − 1
+    (so the lower bound is the one-sided bound at `level`). Scores: higher is better. Paired arrays are
+    resampled together (index i of both is one record)."""
+
+    def gain(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.quantile(y, q, axis=axis) - np.quantile(x, q, axis=axis)
+
+    res = bootstrap((champion, candidate), gain, paired=paired, vectorized=True, n_resamples=resamples,
+                    confidence_level=2 * level - 1, method="percentile", rng=np.random.default_rng(seed))
+    low, high = res.confidence_interval
+    return float(low), float(high)
+
+
+def _dropped(gain: float, champion_value: float, tolerance: float) -> bool:
+    """A drop of more than `tolerance` (a fraction of the champion's value); gain is signed, positive = better."""
+    return gain < -tolerance * abs(champion_value)
+
+
+def _domain_rows(champion: Sequence[RequestSample], candidate: Sequence[RequestSample], values, sign: float,
+                 q: float, config: PolicyConfig) -> tuple[DomainRow, ...]:
+    groups: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for side, samples in enumerate((champion, candidate)):
+        for s in samples:
+            groups[s.domain or NO_DOMAIN][side].append(values(s))
+    rows = []
+    for name in sorted(groups):
+        a, b = (np.asarray(v, dtype=float) for v in groups[name])
+        tail = [_tail(sign * x, q) * sign if len(x) else None for x in (a, b)]
+        mean = [float(x.mean()) if len(x) else None for x in (a, b)]
+        checked = len(groups) > 1 and len(a) >= config.min_domain_samples and len(b) >= config.min_domain_samples
+        regressed = checked and (_dropped(sign * (tail[1] - tail[0]), tail[0], config.domain_tolerance)
+                                 or _dropped(sign * (mean[1] - mean[0]), mean[0], config.domain_tolerance))
+        rows.append(DomainRow(name, len(a), len(b), tail[0], tail[1], mean[0], mean[1], checked, regressed))
+    return tuple(rows)
+
+
+def compare(champion: Sequence[RequestSample], candidate: Sequence[RequestSample], config: PolicyConfig, *,
+            metric: Literal["accept_length", "tpot_s"] = "accept_length", paired: bool = False) -> Comparison:
+    """The figures of one comparison. Paired: champion[i] and candidate[i] are the same record. Each side
+    needs at least 2 samples (the bootstrap's minimum); the gates check their own, larger minimums first."""
+    higher = metric == "accept_length"
+    sign = 1.0 if higher else -1.0  # scores: higher is better, so one code path serves both metrics
+    q_natural = config.tail_quantile if higher else config.cold_start_tpot_quantile
+    q = q_natural if higher else 1.0 - q_natural  # quantile(-x, 1 - p) == -quantile(x, p)
+
+    def values(s: RequestSample) -> float:
+        return s.accept_length if higher else float(s.tpot_s)
+
+    a = np.fromiter((values(s) for s in champion), dtype=float, count=len(champion))
+    b = np.fromiter((values(s) for s in candidate), dtype=float, count=len(candidate))
+    if len(a) < 2 or len(b) < 2:
+        raise ValueError(f"compare needs >= 2 samples per head, got {len(a)} champion and {len(b)} candidate")
+    tail_a, tail_b = sign * _tail(sign * a, q), sign * _tail(sign * b, q)
+    low, high = tail_gain_interval(sign * a, sign * b, q=q, level=config.confidence_level,
+                                   resamples=config.bootstrap_resamples, seed=config.seed, paired=paired)
+    mean_a, mean_b = float(a.mean()), float(b.mean())
+    return Comparison(metric=metric, higher_is_better=higher, quantile=q_natural, paired=paired,
+                      n_champion=len(a), n_candidate=len(b), tail_champion=tail_a, tail_candidate=tail_b,
+                      tail_gain=sign * (tail_b - tail_a), ci_low=low, ci_high=high, level=config.confidence_level,
+                      mean_champion=mean_a, mean_candidate=mean_b, mean_gain=sign * (mean_b - mean_a),
+                      domains=_domain_rows(champion, candidate, values, sign, q, config))
+
+
+def pair_by_request(champion: Sequence[RequestSample], candidate: Sequence[RequestSample]
+                    ) -> tuple[list[RequestSample], list[RequestSample]] | None:
+    """The samples of records both heads scored, in matching order, or None when the samples cannot be
+    paired (a missing or repeated request_id on either side, or no record in common)."""
+    by_id = [{s.request_id: s for s in side} for side in (champion, candidate)]
+    for side, index in zip((champion, candidate), by_id):
+        if any(not s.request_id for s in side) or len(index) != len(side):
+            return None
+    common = sorted(by_id[0].keys() & by_id[1].keys())
+    if not common:
+        return None
+    return [by_id[0][k] for k in common], [by_id[1][k] for k in common]
+
+
+# ---- the promotion gates ------------------------------------------------------------------------
+def _fmt(x: float) -> str:
+    return f"{x:+.3f}" if abs(x) >= 1e-3 or x == 0 else f"{x:+.2e}"
+
+
+def _judge(cmp: Comparison, config: PolicyConfig, stage: str) -> Decision:
+    """promote / reject on a comparison whose sample counts are already large enough."""
+    ev = {"gate": stage, **cmp.as_dict()}
+    what = "P%g TPOT" % round(100 * cmp.quantile) if cmp.metric == "tpot_s" else \
+        "p%g accept length" % round(100 * cmp.quantile)
+    ci = f"[{_fmt(cmp.ci_low)}, {_fmt(cmp.ci_high)}]"
+    if not cmp.ci_low > 0:
+        return Decision(REJECT, f"{what} does not improve significantly: gain {_fmt(cmp.tail_gain)}, interval {ci} "
+                                f"reaches 0 at {cmp.level:.0%}.", ev)
+    if _dropped(cmp.mean_gain, cmp.mean_champion, config.mean_tolerance):
+        return Decision(REJECT, f"the mean {cmp.metric} regresses by {_fmt(-cmp.mean_gain)} "
+                                f"({cmp.mean_champion:.3f} -> {cmp.mean_candidate:.3f}), more than the "
+                                f"{config.mean_tolerance:.0%} tolerance.", ev)
+    bad = [r for r in cmp.domains if r.regressed]
+    if bad:
+        names = ", ".join(f"{r.domain} (tail {r.tail_champion:.3f} -> {r.tail_candidate:.3f}, mean "
+                          f"{r.mean_champion:.3f} -> {r.mean_candidate:.3f})" for r in bad)
+        return Decision(REJECT, f"domain {names} regresses by more than the {config.domain_tolerance:.0%} "
+                                "tolerance.", ev)
+    return Decision(PROMOTE, f"{what} improves by {_fmt(cmp.tail_gain)} ({cmp.tail_champion:.3f} -> "
+                             f"{cmp.tail_candidate:.3f}), interval {ci} above 0 at {cmp.level:.0%}.", ev)
+
+
+def _too_few(stage: str, n_champion: int, n_candidate: int, needed: int, unit: str) -> Decision | None:
+    if n_champion >= needed and n_candidate >= needed:
+        return None
+    return Decision(CONTINUE, f"need {needed} {unit} per head, have {n_champion} champion and {n_candidate} "
+                              "candidate.", {"gate": stage, "n_champion": n_champion, "n_candidate": n_candidate,
+                                             "needed": needed})
+
+
+def offline_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
+                 config: PolicyConfig) -> Decision:
+    """Acceptance replay (both heads scored on recent records): promote (to a canary) or reject; continue
+    when either side has fewer than config.min_samples. Paired by request_id when both scored the same
+    records (only the records in common count), unpaired otherwise."""
+    pairs = pair_by_request(champion, candidate)
+    a, b = pairs if pairs is not None else (list(champion), list(candidate))
+    wait = _too_few("offline", len(a), len(b), config.min_samples, "replayed records")
+    if wait is not None:
+        return wait
+    decision = _judge(compare(a, b, config, paired=pairs is not None), config, "offline")
+    return Decision(decision.action, decision.reason,
+                    {**decision.evidence, "dropped_unpaired": len(champion) + len(candidate) - len(a) - len(b)})
+
+
+def canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
+                config: PolicyConfig) -> Decision:
+    """Live canary, both heads' requests since the canary began (unpaired): continue until each head has
+    config.canary_min_requests, then promote or reject (one look, so no repeated-testing inflation)."""
+    wait = _too_few("canary", len(champion), len(candidate), config.canary_min_requests, "live requests")
+    if wait is not None:
+        return wait
+    return _judge(compare(champion, candidate, config), config, "canary")
+
+
+def cold_start_gate(plain: Sequence[RequestSample], candidate: Sequence[RequestSample],
+                    config: PolicyConfig) -> Decision:
+    """Champion "none": the head replaces plain decoding only when its wall time per output token beats
+    plain decoding's at the tail (config.cold_start_tpot_quantile, P95), with the interval above 0; live
+    samples without a finite tpot_s are ignored. Continue until each side has config.canary_min_requests."""
+    timed = [[s for s in side if s.tpot_s is not None and np.isfinite(s.tpot_s)] for side in (plain, candidate)]
+    wait = _too_few("cold_start", len(timed[0]), len(timed[1]), config.canary_min_requests, "timed requests")
+    if wait is not None:
+        return wait
+    return _judge(compare(timed[0], timed[1], config, metric="tpot_s"), config, "cold_start")
+
+
+# ---- after a promotion ------------------------------------------------------------------------
+def rollback_check(previous_baseline: Sequence[RequestSample], live_after_promotion: Sequence[RequestSample],
+                   config: PolicyConfig) -> Decision:
+    """Watch a new champion: rollback on a collapse (mean accept length <= config.collapse_accept_length
+    over its last >= config.collapse_min_requests requests, checked at once) or when, after
+    config.rollback_window requests, its tail is below the previous champion's baseline by more than
+    config.rollback_margin with the whole interval below; hold when the window passes; continue before.
+    A plain-decoding baseline ("none") is compared on TPOT, when both sides are timed."""
+    live = sorted(live_after_promotion, key=lambda s: s.finished_at)[-config.rollback_window:]
+    n = len(live)
+    ev: dict = {"gate": "rollback", "n_live": n, "window": config.rollback_window}
+    if n < config.collapse_min_requests:
+        return Decision(CONTINUE, f"watching: {n} of {config.collapse_min_requests} requests before a collapse "
+                                  "can be judged.", ev)
+    mean = float(np.mean([s.accept_length for s in live]))
+    ev["mean_accept_length"] = mean
+    if mean <= config.collapse_accept_length:
+        return Decision(ROLLBACK, f"collapse: mean accept length {mean:.3f} over the last {n} requests is at or "
+                                  f"under {config.collapse_accept_length:.2f}.", ev)
+    if n < config.rollback_window:
+        return Decision(CONTINUE, f"watching: {n} of {config.rollback_window} requests, mean accept length "
+                                  f"{mean:.3f}.", ev)
+    cmp = _baseline_comparison(previous_baseline, live, config)
+    if cmp is None:
+        return Decision(HOLD, f"watch passed: no collapse over {n} requests (mean accept length {mean:.3f}); "
+                              "no baseline to compare the tail with.", ev)
+    ev.update(cmp.as_dict())
+    floor = -config.rollback_margin * abs(cmp.tail_champion)
+    if cmp.ci_high < floor:
+        return Decision(ROLLBACK, f"tail {cmp.metric} fell from {cmp.tail_champion:.3f} to {cmp.tail_candidate:.3f}"
+                                  f", interval [{_fmt(cmp.ci_low)}, {_fmt(cmp.ci_high)}] wholly below the "
+                                  f"{config.rollback_margin:.0%} margin.", ev)
+    return Decision(HOLD, f"watch passed: tail {cmp.metric} {cmp.tail_champion:.3f} -> {cmp.tail_candidate:.3f} "
+                          f"over {n} requests, within the {config.rollback_margin:.0%} margin.", ev)
+
+
+def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[RequestSample],
+                         config: PolicyConfig) -> Comparison | None:
+    plain = bool(baseline) and all(s.head_version == PLAIN for s in baseline)
+    if plain:  # accept length 1.0 everywhere: only wall time can say whether the head pays
+        timed = [[s for s in side if s.tpot_s is not None and np.isfinite(s.tpot_s)] for side in (baseline, live)]
+        return compare(*timed, config, metric="tpot_s") if min(map(len, timed)) >= 2 else None
+    return compare(baseline, live, config) if len(baseline) >= 2 else None
+
+
+__all__ = [
+    "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "Decision", "DomainRow",
+    "canary_gate", "cold_start_gate", "compare", "offline_gate", "pair_by_request", "rollback_check",
+    "tail_gain_interval",
+]
