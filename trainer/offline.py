@@ -9,7 +9,6 @@ the one step every loop calls. Must not touch: serving, the feature store.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -18,12 +17,12 @@ from typing import Callable, Literal, Sequence
 
 import torch
 from pydantic import BaseModel, Field
-from safetensors.torch import load_file, save_file
 
 from adaptive_eagle.atomic import staging_dir
-from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
+from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.targets import Target
 from trainer.data import TokenizedExample
+from trainer.state import read_state, restore_optimizer, write_state
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
 from trainer.ttt import TTTBatch, acceptance_summary, ttt_loss
 
@@ -154,41 +153,11 @@ def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7
 def save_run_state(run_dir: Path, head, opt, state: RunState, cfg: TrainHeadConfig, extra: dict) -> None:
     """Replace ``run_dir/state`` atomically (atomic.staging_dir) with the head, optimizer and run state."""
     with staging_dir(run_dir / "state", overwrite=True) as d:
-        sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
-        save_file(sd, d / "head.safetensors")
-        opt_tensors, opt_meta = {}, {"param_groups": opt.state_dict()["param_groups"], "state_keys": {}}
-        for idx, st in opt.state_dict()["state"].items():
-            for name, val in st.items():
-                if torch.is_tensor(val):
-                    opt_tensors[f"{idx}.{name}"] = val.detach().cpu().contiguous()
-        save_file(opt_tensors, d / "optimizer.safetensors")
-        (d / "trainer.json").write_text(json.dumps({
-            "state": state.__dict__, "recipe": cfg.model_dump(), "head_config": head.cfg.to_dict(),
-            "optimizer": opt_meta, **extra,
-        }, indent=1))
+        write_state(d, head, opt, {"state": state.__dict__, "recipe": cfg.model_dump(), **extra})
 
 
 def load_run_state(run_dir: Path, target: Target):
-    d = run_dir / "state"
-    meta = json.loads((d / "trainer.json").read_text())
-    hc = dict(meta["head_config"])
-    hc["aux_layer_ids"] = tuple(hc["aux_layer_ids"])
-    head = Eagle3DraftHead(DraftHeadConfig(**hc))
-    sd = load_file(d / "head.safetensors")
-    sd["embed_tokens.weight"] = target.input_embeddings().detach().float()
-    head.load_state_dict(sd)
-    return head, meta, load_file(d / "optimizer.safetensors")
-
-
-def restore_optimizer(opt, tensors: dict, meta: dict) -> None:
-    sd = opt.state_dict()
-    state: dict = {}
-    for key, val in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = val
-    sd["state"] = state
-    sd["param_groups"] = meta["optimizer"]["param_groups"]
-    opt.load_state_dict(sd)
+    return read_state(run_dir / "state", target)
 
 
 def lr_at(step: int, total_steps: int, cfg: TrainHeadConfig) -> float:

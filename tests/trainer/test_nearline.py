@@ -1,0 +1,162 @@
+"""The near-line trainer on a tiny target: trains on captured traffic from a real local store, acks
+only after checkpoints, survives a crash, mixes replay rows, follows the champion, writes candidates."""
+
+import torch
+import pytest
+
+from adaptive_eagle.checkpoint import HeadMeta
+from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
+from adaptive_eagle.registry import HeadRegistry
+from adaptive_eagle.trace import SamplingParams
+from feature_store.config import StoreConfig
+from feature_store.reader import StoreReader
+from feature_store.writer import StoreWriter
+from tests.adaptive_eagle.test_engine import tiny_setup
+from trainer.config import NearlineConfig
+from trainer.nearline import NearlineTrainer, is_heldout
+
+N_RECORDS = 24
+
+
+@pytest.fixture(scope="module")
+def world():
+    target, head = tiny_setup(seed=11, dtype=torch.float32)
+    engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False, calibration_dir=""), head_version="v1")
+    engine.eos_ids = set()
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for i in range(N_RECORDS):
+        prompt = torch.randint(0, 32, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+        rec = engine.generate(prompt, SamplingParams(max_tokens=24), capture=True, request_id=f"req-{i}").trace
+        records.append(rec.__class__(**{**rec.__dict__, "domain": "code" if i % 2 else "english"}))
+    return target, head, records
+
+
+def setup_run(tmp_path, world, **over):
+    target, head, records = world
+    reg = HeadRegistry.create(tmp_path / "registry")
+    reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
+    reg.set_champion("v1", expect="none")
+    store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False, claim_idle_ms=3_600_000)
+    writer = StoreWriter(store)
+    for r in records:
+        writer.put(r)
+    writer.flush()
+    writer.close()
+    kw = dict(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store, batch_tokens=256,
+              min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0, heldout_percent=20,
+              candidate_every_tokens=400, min_candidate_tokens=100, tree_depth=3, tree_topk=2, tree_draft_tokens=6)
+    return NearlineConfig(**{**kw, **over}), target
+
+
+def test_records_are_acked_only_after_the_checkpoint_that_covers_them(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    assert tr.poll() == N_RECORDS
+    assert tr.train_once() is not None
+    pending = tr.reader.stats().pending
+    assert pending == N_RECORDS  # trained, not yet checkpointed: nothing acked
+    tr.checkpoint()
+    after = tr.reader.stats()
+    assert after.pending == len(tr.fresh)  # only records not yet trained stay pending
+    heldout = sum(is_heldout(r.request_id, 20) for r in world[2])
+    assert sum(tr.status().heldout.values()) == heldout and 0 < heldout < N_RECORDS
+
+
+def test_a_crash_loses_nothing_and_duplicates_stay_within_one_checkpoint(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world)
+    a = NearlineTrainer(cfg, target=target)
+    a.start()
+    a.poll()
+    a.train_once()
+    a.checkpoint()
+    at_checkpoint = a.counters["records_trained"]
+    a.train_once(force=True)  # trained, never checkpointed: the crash comes now
+    lost_step = a.counters["records_trained"] - at_checkpoint
+    assert lost_step > 0
+    a.reader.close()  # the process dies; its store connection goes with it
+
+    b = NearlineTrainer(cfg, target=target)
+    b.start()
+    assert b.counters["records_trained"] == at_checkpoint and b.counters["steps"] == 1  # resumed
+    assert b.poll() == N_RECORDS - at_checkpoint - sum(b.status().heldout.values())  # the rest, again
+    while b.fresh:
+        b.train_once(force=True)
+    b.checkpoint()
+    trained = b.counters["records_trained"]
+    heldout = sum(b.status().heldout.values())
+    assert trained + heldout == N_RECORDS  # every record trained or held out exactly once in the final state
+    assert b.reader.stats().pending == 0 and StoreReader(cfg.store, "trainer").stats().lag == 0
+    assert torch.isfinite(torch.tensor(b.loss))
+
+
+def test_every_batch_keeps_the_replay_ratio(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world, replay_ratio=0.5, batch_tokens=128)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    tr.train_once(force=True)  # the first batch: nothing to replay yet
+    compositions = []
+    while tr.fresh:
+        tr.train_once(force=True)
+        compositions.append(tr.last_batch)
+    assert compositions and all(c["replay"] == c["fresh"] for c in compositions)
+
+
+def test_idle_trainer_makes_more_passes_over_the_buffer_up_to_its_budget(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world, max_passes=2.0)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    while tr.fresh:
+        tr.train_once(force=True)
+    once = tr.counters["tokens_trained"]
+    while tr.train_once() is not None:
+        pass
+    assert tr.last_batch["fresh"] == 0
+    assert once < tr.counters["tokens_trained"] <= 2.0 * tr.counters["tokens_received"] + cfg.batch_tokens
+
+
+def test_candidate_carries_replay_scores_next_to_the_champion_and_the_trainer_follows_a_promotion(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    while tr.fresh:
+        tr.train_once(force=True)
+    assert tr.candidate_due()
+    name = tr.write_candidate()
+    v = tr.registry.version(name)
+    assert v.parent == "v1" and v.training["trainer"] == "nearline"
+    replay = v.metrics["replay"]
+    n = replay["records"]
+    assert n == sum(tr.status().heldout.values()) and n > 0
+    assert len(replay["samples"]["candidate"]) == len(replay["samples"]["champion"]) > 0
+    assert [s[0] for s in replay["samples"]["candidate"]] == [s[0] for s in replay["samples"]["champion"]]
+    tr.registry.set_champion(name, expect="v1")
+    assert tr.follow_champion() and tr.base == name and tr.counters["steps"] == 0
+
+
+def test_records_of_another_target_are_refused_and_counted(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world)
+    other = world[2][0].__class__(**{**world[2][0].__dict__, "target_fingerprint": "f" * 64, "request_id": "x"})
+    w = StoreWriter(cfg.store)
+    w.put(other)
+    w.flush()
+    w.close()
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    assert tr.status().skipped == {"other target": 1}
+
+
+def test_cold_start_builds_a_head_from_the_traffic_when_the_champion_is_plain(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world, cold_start_records=8)
+    HeadRegistry(cfg.registry).set_champion("none", expect="v1")
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    assert tr.head is None and tr.base == "none"
+    tr.poll()
+    assert tr.train_once(force=True) is not None and tr.head is not None
+    assert any("cold start" in e for e in tr.events)

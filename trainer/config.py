@@ -1,0 +1,103 @@
+"""NearlineConfig: the one pydantic model that configures the near-line trainer (it crosses config
+files and the Ray actor boundary). Immutable; every field documented and range-checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from feature_store.config import StoreConfig
+from trainer.replay import TreeParams
+
+
+class NearlineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    registry: str = Field(..., description="head registry root (a local path, or a shared filesystem in a cluster)")
+    work_dir: str = Field(..., description="the trainer's checkpoint directory (resumes from here after a crash)")
+    store: StoreConfig = Field(..., description="the feature store to tail")
+    group: str = Field("trainer", min_length=1, description="store consumer group")
+    consumer: str = Field("trainer-0", min_length=1, description="consumer name within the group")
+    target: Optional[str] = Field(None, description="built-in target name or local HF dir; None: the champion's")
+    base_head: Optional[str] = Field(
+        None, description="head version directory to fine-tune while the champion is 'none' (plain decoding); "
+        "None: build a new head from the traffic's own tokens")
+    cold_start_records: int = Field(32, ge=1, description="records to collect before a head is built from scratch")
+
+    # data
+    positions: Literal["generated", "all"] = Field(
+        "all", description="train on generated tokens only, or on the prompt's positions too")
+    max_len: int = Field(1024, ge=16, le=32768, description="tokens per record (longer ones are truncated)")
+    batch_tokens: int = Field(4096, ge=64, description="padded tokens per batch")
+    min_fresh_tokens: int = Field(1024, ge=1, description="new-traffic tokens that make a batch worth a step")
+    replay_ratio: float = Field(0.25, ge=0, lt=1, description="share of each batch's rows drawn from the replay buffer")
+    replay_per_domain: int = Field(256, ge=1, description="records the replay buffer keeps per domain")
+    replay_max_bytes: int = Field(512 << 20, ge=1 << 16, description="cap on the replay buffer's encoded bytes")
+    max_passes: float = Field(3.0, ge=1, le=100, description="while no new traffic comes, keep training on the "
+                              "buffer until trained tokens reach this many times the tokens received")
+    heldout_percent: int = Field(10, ge=1, le=50, description="records held out (by request id) for acceptance replay")
+    heldout_per_domain: int = Field(48, ge=4, description="most recent held-out records kept per domain")
+
+    # optimisation (trainer.step)
+    lr: float = Field(2e-4, gt=0, le=1.0, description="AdamW learning rate after warmup (constant: traffic never ends)")
+    warmup_steps: int = Field(5, ge=0, description="linear warmup after every (re)start from a champion")
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    ttt_steps: int = Field(7, ge=1, le=16)
+    step_decay: float = Field(0.8, gt=0, le=1)
+    max_loss_rows: Optional[int] = Field(1024, ge=1, description="chains scored per TTT step (None: all)")
+    bf16: Optional[bool] = Field(None, description="bf16 autocast; None: on CUDA only")
+
+    # candidates and evaluation
+    candidate_every_tokens: int = Field(100_000, ge=1, description="write a candidate after this many trained tokens")
+    candidate_every_minutes: float = Field(10.0, gt=0, description="... or after this many minutes of training")
+    min_candidate_tokens: int = Field(4096, ge=1, description="never write a candidate with fewer trained tokens")
+    candidate_prefix: str = Field("nl", pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,40}$",
+                                  description="candidate version names start with this")
+    tree_depth: int = Field(5, ge=1, le=16, description="replay tree depth (the serving tree)")
+    tree_topk: int = Field(4, ge=1, le=16, description="replay tree top-k")
+    tree_draft_tokens: int = Field(16, ge=1, le=128, description="replay tree nodes")
+    tree_min_path_prob: float = Field(0.02, ge=0, lt=1, description="replay: stop below this path probability")
+
+    # drift signal
+    drift_alpha: float = Field(0.05, gt=0, le=1, description="EWMA weight of a new record's accept length")
+    drift_drop: float = Field(0.05, gt=0, lt=1, description="relative drop that flags a domain")
+    drift_min_records: int = Field(20, ge=1, description="records of a domain before its level counts")
+    drift_sustain: int = Field(10, ge=1, description="consecutive low records before a domain is flagged")
+    drift_boost: float = Field(2.0, ge=1, description="batch weight of a flagged domain")
+
+    # loop
+    checkpoint_every_s: float = Field(30.0, gt=0, description="checkpoint (then ack the records used) this often")
+    champion_check_s: float = Field(5.0, gt=0, description="look for a champion change this often")
+    read_batch: int = Field(64, ge=1, le=4096, description="records per store read")
+    poll_ms: int = Field(200, ge=0, le=60_000, description="block this long on the store when idle")
+    device: str = Field("auto", description="'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> "NearlineConfig":
+        if self.min_candidate_tokens > self.candidate_every_tokens:
+            raise ValueError("min_candidate_tokens must be <= candidate_every_tokens")
+        return self
+
+    @property
+    def tree(self) -> TreeParams:
+        return TreeParams(self.tree_depth, self.tree_topk, self.tree_draft_tokens, self.tree_min_path_prob)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "NearlineConfig":
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"trainer config {p} does not exist")
+        text = p.read_text()
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return cls.model_validate(yaml.safe_load(text))
+        return cls.model_validate(json.loads(text))
+
+
+__all__ = ["NearlineConfig"]

@@ -1,0 +1,514 @@
+"""The near-line trainer: continually fine-tunes a copy of the champion head on captured traffic.
+
+Owns: the loop as named steps — poll the store → route (held out for replay, or fresh) → pack a
+batch (fresh rows + replayed earlier traffic) → one `train_step` → checkpoint → ack → candidate
+(acceptance replay of candidate and champion on the same held-out records, written to the
+registry) — plus resuming from its checkpoint after a crash, following a champion change, the
+drift signal, and a status for the gateway and the demo. Must not touch: serving, promotion (the
+policy decides what serves; the trainer only proposes).
+
+Delivery. The store delivers each record at least once. A record is acked only after the step
+that trained on it (or the held-out pool that keeps it) has been checkpointed, so a crash loses
+nothing: unacked records are delivered again, and at most one checkpoint interval of records is
+trained twice. A record delivered again while this process still holds it is ignored.
+
+TrainerActor (trainer/actor.py) is a thin async Ray actor around this class.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import torch
+
+from adaptive_eagle.atomic import staging_dir
+from adaptive_eagle.checkpoint import HeadMeta, load_head
+from adaptive_eagle.draft_head import Eagle3DraftHead
+from adaptive_eagle.registry import HeadRegistry
+from adaptive_eagle.targets import Target, load_target, resolve_device
+from adaptive_eagle.trace import TraceRecord
+from feature_store.reader import StoreReader
+from feature_store.schema import decode_record, encode_record
+from trainer.buffer import ReplayBuffer, replay_rows
+from trainer.config import NearlineConfig
+from trainer.drift import DriftMonitor
+from trainer.replay import ReplayScore, replay_heads
+from trainer.state import read_state, restore_optimizer, write_state
+from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
+from trainer.traffic import TrafficRow, make_traffic_batch, row_from_record
+
+log = logging.getLogger(__name__)
+
+PLAIN = "none"
+STATE = "state"
+SEEN_REQUESTS = 50_000  # request ids remembered for de-duplication across restarts
+
+
+def is_heldout(request_id: str, percent: int) -> bool:
+    """Stable split by request id: the same record is held out in every process and after restarts."""
+    return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) % 100 < percent
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    champion: str  # the version this trainer fine-tunes (registry name, "none": cold start)
+    records_seen: int
+    records_trained: int
+    tokens_trained: int  # real tokens in trained batches (fresh + replay)
+    tokens_received: int  # tokens of fresh training records received
+    steps: int
+    loss: float | None
+    last_candidate: str | None
+    candidates: int
+    heldout: dict  # domain -> records kept for replay
+    buffer: dict  # domain -> records in the replay buffer
+    skipped: dict  # reason -> records refused
+    duplicates: int
+    regenerated_rows: int  # rows whose features came from a target forward here
+    drift: dict
+    state: str  # "starting" | "waiting" | "training" | "evaluating" | "stopped" | "error: ..."
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class NearlineTrainer:
+    def __init__(self, cfg: NearlineConfig, *, target: Target | None = None, reader: StoreReader | None = None,
+                 yield_to: Callable[[], bool] | None = None) -> None:
+        """yield_to: called before each step; True makes the trainer wait (e.g. requests are queued on a
+        machine whose cores it shares with a server)."""
+        self.cfg = cfg
+        self.registry = HeadRegistry(cfg.registry)
+        self.reader = reader or StoreReader(cfg.store, cfg.group, cfg.consumer)
+        self.target = target
+        self.yield_to = yield_to
+        self.device = resolve_device(cfg.device)
+        self.work_dir = Path(cfg.work_dir)
+        self.buffer: ReplayBuffer[bytes] = ReplayBuffer(cfg.replay_per_domain, cfg.replay_max_bytes, cfg.seed)
+        self.drift = DriftMonitor(cfg.drift_alpha, cfg.drift_drop, cfg.drift_min_records, cfg.drift_sustain,
+                                  cfg.drift_boost)
+        self.heldout: dict[str, deque[TraceRecord]] = {}
+        self.fresh: deque[tuple[str, TraceRecord]] = deque()
+        self.held_ids: set[str] = set()  # delivered to us and not acked yet
+        self.done_ids: list[str] = []  # consumed since the last checkpoint: acked after the next one
+        # request ids trained on or held out (checkpointed with the state): a record the store delivers
+        # again after a restart is recognised and skipped, not trained twice
+        self.seen_requests: deque[str] = deque(maxlen=SEEN_REQUESTS)
+        self._seen_set: set[str] = set()
+        self.head: Eagle3DraftHead | None = None
+        self.champion_head: Eagle3DraftHead | None = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.base = PLAIN
+        self.counters = self._zero_counters()
+        self.loss: float | None = None
+        self.last_batch: dict = {}
+        self.state = "starting"
+        self.events: deque[str] = deque(maxlen=200)  # drift and candidate lines, newest last
+        self._last_checkpoint = self._last_candidate_t = self._last_champion_check = time.monotonic()
+        self._tokens_at_candidate = 0
+
+    @staticmethod
+    def _zero_counters() -> dict:
+        return {"records_seen": 0, "records_trained": 0, "tokens_trained": 0, "tokens_received": 0, "steps": 0,
+                "duplicates": 0, "regenerated_rows": 0, "skipped": {}, "candidates": [], "window": None}
+
+    # ---- start, resume, follow the champion ---------------------------------------------------------
+    def start(self) -> None:
+        if self.target is None:
+            self.target = load_target(self.cfg.target or self._champion_target_name(), purpose="train")
+        champion = self.registry.champion()
+        if (self.work_dir / STATE / "trainer.json").exists() and self._resume(champion):
+            return
+        self._reset_to(champion)
+
+    def _champion_target_name(self) -> str:
+        champion = self.registry.champion()
+        if champion != PLAIN:
+            return self.registry.version(champion).target_name
+        if self.cfg.base_head:
+            return load_head(self.cfg.base_head).meta.target_name
+        return "smollm2-135m"
+
+    def _load(self, version_or_dir: str) -> Eagle3DraftHead:
+        if version_or_dir in self.registry:
+            return self.registry.load(version_or_dir, self.target).head
+        return load_head(version_or_dir, self.target).head
+
+    def _reset_to(self, champion: str) -> None:
+        """Start fine-tuning a fresh copy of `champion` (or the base head / a new head while it is 'none')."""
+        self.base = champion
+        if champion != PLAIN:
+            self.champion_head = self._load(champion).float().eval()
+            self._set_head(copy.deepcopy(self.champion_head).train())
+        else:
+            self.champion_head = None
+            self._set_head(self._load(self.cfg.base_head).float().train() if self.cfg.base_head else None)
+        self.counters = {**self._zero_counters(), "records_seen": self.counters["records_seen"]}
+        self._tokens_at_candidate = 0
+        self._last_candidate_t = time.monotonic()
+        self.drift.reset(None if champion == PLAIN else champion)
+        self._note(f"training from champion {champion}" + (" (base head " + self.cfg.base_head + ")"
+                                                              if champion == PLAIN and self.cfg.base_head else ""))
+
+    def _set_head(self, head: Eagle3DraftHead | None) -> None:
+        self.head = None if head is None else head.to(self.device)
+        self.opt = None if head is None else adamw(self.head, self.cfg.lr, self.cfg.weight_decay)
+
+    def follow_champion(self) -> bool:
+        """Restart from the registry's champion when it changed (a promotion, a rollback). True if it did."""
+        self._last_champion_check = time.monotonic()
+        champion = self.registry.champion()
+        if champion == self.base:
+            return False
+        self._note(f"champion changed {self.base} -> {champion}: restarting from it")
+        self._reset_to(champion)
+        return True
+
+    # ---- poll and route --------------------------------------------------------------------------
+    def poll(self, block_ms: int = 0) -> int:
+        """Read what the store has; returns the number of new records taken."""
+        taken = 0
+        for d in self.reader.read(self.cfg.read_batch, block_ms):
+            if d.id in self.held_ids:
+                self.counters["duplicates"] += 1
+                continue
+            self.held_ids.add(d.id)
+            if d.record.request_id in self._seen_set:  # delivered again after a restart: already used
+                self.counters["duplicates"] += 1
+                self.done_ids.append(d.id)
+                continue
+            taken += 1
+            self.counters["records_seen"] += 1
+            self._route(d.id, d.record)
+        return taken
+
+    def _remember(self, request_id: str) -> None:
+        if len(self.seen_requests) == self.seen_requests.maxlen:
+            self._seen_set.discard(self.seen_requests[0])
+        self.seen_requests.append(request_id)
+        self._seen_set.add(request_id)
+
+    def _refusal(self, rec: TraceRecord) -> str | None:
+        if rec.target_fingerprint != self.target.fingerprint:
+            return "other target"
+        if not rec.capture_consent:
+            return "no capture consent"
+        if len(rec.input_ids) < 4:
+            return "fewer than 4 tokens"
+        return None
+
+    def _route(self, delivery_id: str, rec: TraceRecord) -> None:
+        reason = self._refusal(rec)
+        if reason is not None:
+            skipped = self.counters["skipped"]
+            skipped[reason] = skipped.get(reason, 0) + 1
+            self.done_ids.append(delivery_id)
+            return
+        if rec.steps:
+            event = self.drift.observe(rec.domain, rec.accept_length_mean, rec.head_version)
+            if event is not None:
+                self._note(event.describe())
+        if is_heldout(rec.request_id, self.cfg.heldout_percent):
+            pool = self.heldout.setdefault(rec.domain or "", deque(maxlen=self.cfg.heldout_per_domain))
+            pool.append(rec)
+            self._remember(rec.request_id)
+            self.done_ids.append(delivery_id)  # kept in the checkpoint's pool
+        else:
+            self.fresh.append((delivery_id, rec))
+            self.counters["tokens_received"] += min(len(rec.input_ids), self.cfg.max_len)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def _row(self, rec: TraceRecord) -> TrafficRow:
+        return row_from_record(rec, self.head.cfg.aux_layer_ids, self.cfg.positions, self.cfg.max_len)
+
+    def _take_fresh(self) -> list[tuple[str, TraceRecord]]:
+        """Fresh records for one batch, oldest first: padded tokens within the batch's fresh share (the
+        replay rows take the rest)."""
+        limit = self.cfg.batch_tokens * (1 - self.cfg.replay_ratio)
+        taken: list[tuple[str, TraceRecord]] = []
+        longest = 0
+        while self.fresh:
+            n = min(len(self.fresh[0][1].input_ids), self.cfg.max_len)
+            if taken and max(longest, n) * (len(taken) + 1) > limit:
+                break
+            taken.append(self.fresh.popleft())
+            longest = max(longest, n)
+        return taken
+
+    def _fresh_tokens(self) -> int:
+        return sum(min(len(r.input_ids), self.cfg.max_len) for _, r in self.fresh)
+
+    def ready(self) -> str | None:
+        """What the next step would train on: "fresh", "replay" (idle: more passes over the buffer), or None."""
+        if self.head is None:
+            return None
+        if self.fresh and self._fresh_tokens() >= self.cfg.min_fresh_tokens:
+            return "fresh"
+        budget = self.cfg.max_passes * self.counters["tokens_received"]
+        if len(self.buffer) and self.counters["tokens_trained"] < budget:
+            return "replay"
+        return None
+
+    def train_once(self, force: bool = False) -> StepStats | None:
+        """One optimizer step on fresh traffic plus replay rows, or on replay alone while idle. `force`
+        trains on whatever fresh records there are."""
+        if self.head is None:
+            self._maybe_cold_start()
+            if self.head is None:
+                return None
+        kind = "fresh" if force and self.fresh else self.ready()
+        if kind is None:
+            return None
+        fresh = self._take_fresh() if kind == "fresh" else []
+        if fresh:
+            replayed = self._replay(replay_rows(len(fresh), self.cfg.replay_ratio))
+        else:  # idle: another pass over earlier traffic
+            replayed = self._replay_only()
+        rows = [self._row(r) for _, r in fresh] + [self._row(r) for r in replayed]
+        self.state = "training"
+        tb = make_traffic_batch(self.target, self.head, rows, self.device)
+        step = self.counters["steps"]
+        stats = train_step(self.head, tb.batch, self.opt, self._schedule(), self._step_config(), step=step)
+        self.counters["steps"] += 1
+        self.counters["tokens_trained"] += tb.tokens
+        self.counters["regenerated_rows"] += tb.regenerated
+        self.loss = stats.loss
+        self.last_batch = {"fresh": len(fresh), "replay": len(replayed), "tokens": tb.tokens,
+                           "regenerated": tb.regenerated}
+        for delivery_id, rec in fresh:
+            payload = encode_record(rec, self.cfg.store.codec)
+            self.buffer.add(payload, rec.domain, len(payload))
+            self.done_ids.append(delivery_id)
+            self._remember(rec.request_id)
+            self.counters["records_trained"] += 1
+            self._widen_window(rec)
+        return stats
+
+    def _replay(self, n: int) -> list[TraceRecord]:
+        return [decode_record(p) for _, p in self.buffer.sample(n, self.drift.weights())]
+
+    def _replay_only(self) -> list[TraceRecord]:
+        """Buffer records filling one batch (padded tokens <= batch_tokens), domains drawn by drift weight."""
+        out: list[TraceRecord] = []
+        longest = 0
+        for rec in self._replay(64):
+            n = min(len(rec.input_ids), self.cfg.max_len)
+            if out and max(longest, n) * (len(out) + 1) > self.cfg.batch_tokens:
+                break
+            out.append(rec)
+            longest = max(longest, n)
+        return out
+
+    def _schedule(self) -> WarmupCosine:
+        # constant after warmup: traffic never ends, so there is no horizon to decay towards
+        return WarmupCosine(lr=self.cfg.lr, total_steps=1, warmup_steps=self.cfg.warmup_steps, min_lr_ratio=1.0)
+
+    def _step_config(self) -> StepConfig:
+        bf16 = self.cfg.bf16 if self.cfg.bf16 is not None else self.device.type == "cuda"
+        return StepConfig(ttt_steps=self.cfg.ttt_steps, step_decay=self.cfg.step_decay,
+                          max_loss_rows=self.cfg.max_loss_rows, grad_clip=self.cfg.grad_clip, bf16=bf16)
+
+    def _widen_window(self, rec: TraceRecord) -> None:
+        w = self.counters["window"] or {"first": rec.created_at, "last": rec.created_at, "domains": {}}
+        w["first"], w["last"] = min(w["first"], rec.created_at), max(w["last"], rec.created_at)
+        w["domains"][rec.domain or "untagged"] = w["domains"].get(rec.domain or "untagged", 0) + 1
+        self.counters["window"] = w
+
+    def _maybe_cold_start(self) -> None:
+        """Champion 'none' and no base head: build a head from the traffic's own tokens."""
+        from collections import Counter
+
+        from trainer.warm_start import build_draft_vocab, new_head, size_for_coverage, warm_start
+
+        records = [r for _, r in self.fresh] + [r for pool in self.heldout.values() for r in pool]
+        if len(records) < self.cfg.cold_start_records:
+            return
+        counts = Counter(t for r in records for t in r.input_ids)
+        vocab_size = self.target.config.vocab_size
+        size = size_for_coverage(counts, 0.97, multiple=min(1024, vocab_size), cap=vocab_size)
+        vocab = build_draft_vocab(counts, size, vocab_size)
+        head = new_head(self.target, vocab, seed=self.cfg.seed)
+        warm_start(head, self.target)
+        self._set_head(head.float().train())
+        self._note(f"cold start: new head with a {size}-token draft vocabulary from {len(records)} records "
+                   f"({vocab.coverage:.1%} coverage)")
+
+    # ---- checkpoint and ack ------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Write the state atomically, then ack every record it covers."""
+        if self.head is not None:
+            with staging_dir(self.work_dir / STATE, overwrite=True) as d:
+                meta = {"base": self.base, "counters": self.counters, "buffer_seen": self.buffer.seen(),
+                        "tokens_at_candidate": self._tokens_at_candidate, "saved_at": time.time(),
+                        "seen_requests": list(self.seen_requests)}
+                write_state(d, self.head, self.opt, meta)
+                self._write_pool(d / "pool.arrow")
+        if self.done_ids:
+            self.reader.ack(self.done_ids)
+            self.held_ids.difference_update(self.done_ids)
+            self.done_ids = []
+        self._last_checkpoint = time.monotonic()
+
+    def _write_pool(self, path: Path) -> None:
+        roles, domains, payloads = [], [], []
+        for d, p in self.buffer.items():
+            roles.append("replay"), domains.append(d), payloads.append(p)
+        for d, pool in self.heldout.items():
+            for rec in pool:
+                roles.append("heldout"), domains.append(d), payloads.append(encode_record(rec, self.cfg.store.codec))
+        table = pa.table({"role": pa.array(roles, pa.string()), "domain": pa.array(domains, pa.string()),
+                          "payload": pa.array(payloads, pa.binary())})
+        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table)
+
+    def _resume(self, champion: str) -> bool:
+        """Restore the checkpoint if it was trained from the current champion; False otherwise."""
+        d = self.work_dir / STATE
+        try:
+            head, meta, opt_tensors = read_state(d, self.target)
+        except (OSError, ValueError, KeyError) as e:
+            self._note(f"checkpoint in {d} refused ({e}); starting from champion {champion}")
+            return False
+        if meta.get("base") != champion:
+            self._note(f"checkpoint was trained from {meta.get('base')}, champion is {champion}: starting over")
+            return False
+        self._reset_to(champion)
+        self._set_head(head.float().train())
+        restore_optimizer(self.opt, opt_tensors, meta)
+        self.counters = meta["counters"]
+        self._tokens_at_candidate = meta.get("tokens_at_candidate", 0)
+        for rid in meta.get("seen_requests", []):
+            self._remember(rid)
+        table = pa.ipc.open_file(pa.memory_map(str(d / "pool.arrow"))).read_all().to_pylist()
+        self.buffer.restore([(r["domain"], r["payload"], len(r["payload"])) for r in table if r["role"] == "replay"],
+                            meta.get("buffer_seen", {}))
+        for r in table:
+            if r["role"] == "heldout":
+                rec = decode_record(r["payload"])
+                self.heldout.setdefault(r["domain"], deque(maxlen=self.cfg.heldout_per_domain)).append(rec)
+        self._note(f"resumed from checkpoint: step {self.counters['steps']}, "
+                   f"{self.counters['tokens_trained']} tokens trained")
+        return True
+
+    # ---- candidates --------------------------------------------------------------------------------
+    def candidate_due(self) -> bool:
+        trained = self.counters["tokens_trained"] - self._tokens_at_candidate
+        if self.head is None or trained < self.cfg.min_candidate_tokens or not self.heldout_records():
+            return False
+        minutes = (time.monotonic() - self._last_candidate_t) / 60
+        return trained >= self.cfg.candidate_every_tokens or minutes >= self.cfg.candidate_every_minutes
+
+    def heldout_records(self) -> list[TraceRecord]:
+        return [r for _, pool in sorted(self.heldout.items()) for r in pool]
+
+    def evaluate(self, head: Eagle3DraftHead) -> tuple[ReplayScore, ReplayScore | None, dict]:
+        """Replay `head` and the champion on the same held-out records."""
+        heads = {"candidate": head}
+        if self.champion_head is not None:
+            heads["champion"] = self.champion_head
+        report = replay_heads(heads, self.heldout_records(), self.target, self.cfg.tree)
+        return report.scores["candidate"], report.scores.get("champion"), report.skipped
+
+    def write_candidate(self) -> str | None:
+        """Save the current head as a candidate version with its replay scores next to the champion's."""
+        self.state = "evaluating"
+        cand = copy.deepcopy(self.head).to(torch.bfloat16).float().eval()  # exactly what the registry stores
+        score, champ, skipped = self.evaluate(cand)
+        name = self._candidate_name()
+        meta = HeadMeta.new(name, self.target.name, self.target.fingerprint,
+                            parent=None if self.base == PLAIN else self.base,
+                            data={"source": "captured traffic", "window": self.counters["window"],
+                                  "records_trained": self.counters["records_trained"]},
+                            training={"trainer": "nearline", "steps": self.counters["steps"],
+                                      "tokens": self.counters["tokens_trained"], "lr": self.cfg.lr,
+                                      "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio},
+                            metrics={"replay": self._replay_metrics(score, champ, skipped)})
+        self.registry.register(cand, meta)
+        self.counters["candidates"].append(name)
+        self._tokens_at_candidate = self.counters["tokens_trained"]
+        self._last_candidate_t = time.monotonic()
+        gain = f" vs champion {champ.mean:.3f}" if champ is not None else " vs plain decoding 1.000"
+        self._note(f"candidate {name}: replayed accept length {score.mean:.3f}{gain} on {len(score.records)} records")
+        return name
+
+    def _replay_metrics(self, score: ReplayScore, champ: ReplayScore | None, skipped: dict) -> dict:
+        champ_name = self.base
+        champ_samples = (champ.samples(champ_name) if champ is not None
+                         else [{**s, "accept_length": 1.0, "head_version": PLAIN} for s in score.samples(PLAIN)])
+        return {"records": len(score.records), "skipped": skipped, "tree": self.cfg.tree.__dict__,
+                "candidate": score.summary(), "champion": champ.summary() if champ is not None else None,
+                "champion_version": champ_name,
+                "samples": {"candidate": [[s["request_id"], s["domain"], round(s["accept_length"], 4)]
+                                          for s in score.samples("candidate")],
+                            "champion": [[s["request_id"], s["domain"], round(s["accept_length"], 4)]
+                                         for s in champ_samples]}}
+
+    def _candidate_name(self) -> str:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        name, k = f"{self.cfg.candidate_prefix}-{stamp}", 1
+        while name in self.registry:
+            k += 1
+            name = f"{self.cfg.candidate_prefix}-{stamp}-{k}"
+        return name
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None, budget_s: float | None = None) -> TrainerStatus:
+        """Tail the store and train until `stop` is set or `budget_s` seconds passed; checkpoints on exit."""
+        stop = stop or threading.Event()
+        t_end = time.monotonic() + budget_s if budget_s is not None else None
+        if self.state == "starting":
+            self.start()
+        try:
+            while not stop.is_set() and (t_end is None or time.monotonic() < t_end):
+                self.tick()
+        finally:
+            self.checkpoint()
+            self.state = "stopped"
+        return self.status()
+
+    def tick(self) -> None:
+        """One pass of the loop: champion check, poll, maybe a step, maybe a checkpoint or a candidate."""
+        now = time.monotonic()
+        if now - self._last_champion_check >= self.cfg.champion_check_s:
+            self.follow_champion()
+        self.poll(block_ms=0 if self.ready() else self.cfg.poll_ms)
+        if self.yield_to is not None and self.yield_to():
+            self.state = "waiting"
+            time.sleep(self.cfg.poll_ms / 1000)
+            return
+        if self.train_once() is None:
+            self.state = "waiting"
+        if time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every_s:
+            self.checkpoint()
+        if self.candidate_due():
+            self.write_candidate()
+            self.checkpoint()
+
+    def _note(self, line: str) -> None:
+        log.info(line)
+        self.events.append(f"{time.strftime('%H:%M:%S')} {line}")
+
+    def status(self) -> TrainerStatus:
+        c = self.counters
+        return TrainerStatus(
+            champion=self.base, records_seen=c["records_seen"], records_trained=c["records_trained"],
+            tokens_trained=c["tokens_trained"], tokens_received=c["tokens_received"], steps=c["steps"],
+            loss=self.loss, last_candidate=c["candidates"][-1] if c["candidates"] else None,
+            candidates=len(c["candidates"]), heldout={d or "untagged": len(p) for d, p in self.heldout.items()},
+            buffer=self.buffer.domains(), skipped=dict(c["skipped"]), duplicates=c["duplicates"],
+            regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+__all__ = ["NearlineTrainer", "TrainerStatus", "is_heldout"]

@@ -1,0 +1,60 @@
+"""Resumable training state of a draft head: weights, optimizer and a JSON sidecar, without pickle.
+
+Owns: the on-disk layout every training loop resumes from (`head.safetensors` without the frozen
+embedding, `optimizer.safetensors` with the AdamW moments, `trainer.json` with the head config,
+the optimizer's param groups and whatever the loop adds). The caller decides where and when
+(offline.py and nearline.py write it inside an atomic staging directory). Must not touch: data,
+the registry, the store.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
+from adaptive_eagle.targets import Target
+
+STATE_FILES = ("head.safetensors", "optimizer.safetensors", "trainer.json")
+
+
+def write_state(d: Path, head: Eagle3DraftHead, opt: torch.optim.Optimizer, meta: dict) -> None:
+    """Write the three state files into directory `d` (which the caller stages and renames)."""
+    sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
+    save_file(sd, d / "head.safetensors")
+    opt_sd = opt.state_dict()
+    tensors = {f"{idx}.{name}": val.detach().cpu().contiguous()
+               for idx, st in opt_sd["state"].items() for name, val in st.items() if torch.is_tensor(val)}
+    save_file(tensors, d / "optimizer.safetensors")
+    (d / "trainer.json").write_text(json.dumps({**meta, "head_config": head.cfg.to_dict(),
+                                                "optimizer": {"param_groups": opt_sd["param_groups"]}}, indent=1))
+
+
+def read_state(d: Path, target: Target) -> tuple[Eagle3DraftHead, dict, dict]:
+    """(head in float32 with the target's embedding, trainer.json, optimizer tensors) from directory `d`."""
+    meta = json.loads((d / "trainer.json").read_text())
+    hc = dict(meta["head_config"])
+    hc["aux_layer_ids"] = tuple(hc["aux_layer_ids"])
+    head = Eagle3DraftHead(DraftHeadConfig(**hc))
+    sd = load_file(d / "head.safetensors")
+    sd["embed_tokens.weight"] = target.input_embeddings().detach().float()
+    head.load_state_dict(sd)
+    return head, meta, load_file(d / "optimizer.safetensors")
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> None:
+    """Load AdamW moments and param groups written by `write_state` into `opt` (built over the same head)."""
+    sd = opt.state_dict()
+    state: dict = {}
+    for key, val in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = val
+    sd["state"] = state
+    sd["param_groups"] = meta["optimizer"]["param_groups"]
+    opt.load_state_dict(sd)
+
+
+__all__ = ["STATE_FILES", "read_state", "restore_optimizer", "write_state"]
