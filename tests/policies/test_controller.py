@@ -1,0 +1,311 @@
+"""policies.controller: the promotion state machine against a real head registry (tiny heads in tmp_path)
+and a LocalFleet of recording replicas: promote and watch, offline and canary rejections, a partial swap
+rolled back, a collapse rolled back and blocked, pins, blocks, the cold start, on-call rollback, and the
+story the log tells. The controller itself never imports torch (checked in a fresh interpreter)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_eagle.checkpoint import HeadMeta
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
+from adaptive_eagle.registry import HeadRegistry
+from adaptive_eagle.targets import tiny_target
+from policies.controller import PolicyController, rollback_champion
+from policies.fleet import Canary, LocalFleet
+from policies.gates import CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK
+from policies.log import PromotionLog
+from policies.samples import PLAIN
+from tests.policies.helpers import accept_lengths, samples, small_config
+from tests.policies.replicas import FakeClock, RecordingReplica, Traffic
+
+CFG = small_config(min_samples=200, canary_min_requests=100, rollback_window=100, collapse_min_requests=20,
+                   canary_fraction=0.5, bootstrap_resamples=500)
+VERSIONS = ("v1", "v2", "v3")
+
+
+@pytest.fixture(scope="module")
+def registry_template(tmp_path_factory):
+    """One registry of three tiny heads, copied per test (building heads is the slow part)."""
+    target = tiny_target(num_layers=8)
+    root = tmp_path_factory.mktemp("template") / "registry"
+    reg = HeadRegistry.create(root)
+    for i, name in enumerate(VERSIONS):
+        torch.manual_seed(i)
+        cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=40, aux_layer_ids=target.aux_layer_ids)
+        head = Eagle3DraftHead(cfg)
+        init_weights(head)
+        head.set_draft_vocab(torch.randperm(cfg.vocab_size)[:40].sort().values)
+        reg.register(head, HeadMeta.new(name, target.name, target.fingerprint), dtype=torch.float32)
+    return root
+
+
+@dataclass
+class World:
+    ctrl: PolicyController
+    reg: HeadRegistry
+    fleet: LocalFleet
+    replicas: list
+    plog: PromotionLog
+    traffic: Traffic
+    clock: FakeClock
+
+    def events(self) -> list[str]:
+        return [e.event for e in self.plog.read().events]
+
+    def run_canary(self, n: int = 400):
+        self.traffic.serve(n)
+        return self.ctrl.tick()
+
+
+def make_world(tmp_path, registry_template, *, champion="v1", refuse=None, quality=None, speed=None,
+               replicas=3) -> World:
+    root = tmp_path / "registry"
+    shutil.copytree(registry_template, root)
+    reg = HeadRegistry(root)
+    if champion != PLAIN:
+        assert reg.set_champion(champion, expect=PLAIN).ok
+    reps = [RecordingReplica(None if champion == PLAIN else champion, refuse=set((refuse or {}).get(i, ())))
+            for i in range(replicas)]
+    fleet, clock = LocalFleet(reps), FakeClock()
+    plog = PromotionLog(tmp_path / "promotions.jsonl")
+    traffic = Traffic(fleet, clock, quality=quality or {"v1": 0.0, "v2": 0.3, "v3": -0.3}, speed=speed or {})
+    return World(PolicyController(reg, fleet, plog, CFG, clock=clock), reg, fleet, reps, plog, traffic, clock)
+
+
+def replay(champion_shift: float, candidate_shift: float, n: int = 300, champion="v1", candidate="v2"):
+    rng = np.random.default_rng(7)
+    d = rng.normal(0, 0.3, n)
+    return (samples(accept_lengths(rng, n, difficulty=d + champion_shift, noise=0.1), champion),
+            samples(accept_lengths(rng, n, difficulty=d + candidate_shift, noise=0.1), candidate))
+
+
+@pytest.fixture
+def world(tmp_path, registry_template):
+    return make_world(tmp_path, registry_template)
+
+
+def promote_v2(w: World) -> None:
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3)).action == PROMOTE
+    assert w.run_canary().action == PROMOTE and w.ctrl.state == "watching"
+
+
+# ---- the happy path ------------------------------------------------------------------------------
+def test_a_better_head_goes_offline_gate_canary_promote_watch(world):
+    w = world
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3)).action == PROMOTE
+    assert w.ctrl.state == "canary" and w.fleet.canary == Canary("v2", CFG.canary_fraction)
+    w.traffic.serve(60)
+    assert w.ctrl.tick().action == CONTINUE and w.ctrl.state == "canary"
+    assert w.run_canary().action == PROMOTE
+    assert w.fleet.serving_versions() == ["v2"] * 3 and [r.swaps for r in w.replicas] == [["v2"]] * 3
+    assert w.reg.champion() == "v2" and w.reg.champion_pointer().previous == "v1"
+    assert w.ctrl.state == "watching" and w.fleet.canary is None
+    w.traffic.serve(CFG.rollback_window // 2)
+    assert w.ctrl.tick().action == CONTINUE
+    w.traffic.serve(CFG.rollback_window)
+    assert w.ctrl.tick().action == HOLD and w.ctrl.state == "idle"
+    assert w.events() == ["considered", "canary_started", "canary_ended", "promoted", "watch_ended"]
+    promoted = w.plog.read().events[3]
+    assert (promoted.candidate, promoted.champion) == ("v2", "v1")
+    assert promoted.evidence["gate"] == "canary" and promoted.evidence["ci_low"] > 0
+    assert w.ctrl.tick() is None  # idle, fleet in sync
+
+
+def test_the_pointer_moves_only_after_every_replica_confirmed(world):
+    w = world
+    seen = []
+    for r in w.replicas:
+        original = r.swap_head
+        r.swap_head = lambda v, original=original: (seen.append(w.reg.champion()), original(v))[1]
+    promote_v2(w)
+    assert seen == ["v1"] * 3 and w.reg.champion() == "v2"
+
+
+# ---- rejections ----------------------------------------------------------------------------------
+def test_a_worse_head_is_rejected_offline_and_nothing_else_happens(world):
+    w = world
+    d = w.ctrl.consider("v3", *replay(0.0, -0.3, candidate="v3"))
+    assert d.action == REJECT and w.ctrl.state == "idle" and w.fleet.canary is None
+    assert all(r.swaps == [] for r in w.replicas) and w.reg.champion() == "v1" and "v3" not in w.reg.blocked()
+    assert w.events() == ["considered", "rejected"]
+    assert "does not improve" in w.plog.read().events[-1].reason
+
+
+def test_too_little_replay_is_not_a_promotion(world):
+    d = world.ctrl.consider("v2", *replay(0.0, 0.3, n=50))
+    assert d.action == CONTINUE and world.ctrl.state == "idle"
+    assert "more data" in world.plog.read().events[-1].reason
+
+
+def test_a_canary_that_fails_live_ends_without_a_swap(tmp_path, registry_template):
+    w = make_world(tmp_path, registry_template, quality={"v1": 0.0, "v2": -0.3})
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3)).action == PROMOTE  # replay looked good
+    assert w.run_canary().action == REJECT
+    assert w.fleet.canary is None and all(r.swaps == [] for r in w.replicas) and w.reg.champion() == "v1"
+    assert w.events() == ["considered", "canary_started", "canary_ended", "rejected"]
+
+
+def test_a_partial_swap_is_swapped_back(tmp_path, registry_template):
+    w = make_world(tmp_path, registry_template, refuse={2: {"v2"}})
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3)).action == PROMOTE
+    d = w.run_canary()
+    assert d.action == REJECT and "replica 2" in d.reason and "failed validation" in d.reason
+    assert w.fleet.serving_versions() == ["v1"] * 3 and w.reg.champion() == "v1" and w.ctrl.state == "idle"
+    assert [r.swaps for r in w.replicas[:2]] == [["v2", "v1"]] * 2
+    assert w.events()[-1] == "rejected" and "fleet back on v1" in w.plog.read().events[-1].reason
+
+
+def test_a_registry_refusal_at_promotion_swaps_the_fleet_back(world):
+    w = world
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3)).action == PROMOTE
+
+    class Refusing:  # the real registry, except that the compare-and-set loses a race
+        def __getattr__(self, name):
+            return getattr(w.reg, name)
+
+        def __contains__(self, v):
+            return v in w.reg
+
+        def set_champion(self, version, *, expect, reason=""):
+            return type("Change", (), {"ok": False, "message": "stale expect: the champion is 'v3'"})()
+
+    w.ctrl.registry = Refusing()
+    d = w.run_canary()
+    assert d.action == REJECT and "registry refused" in d.reason and "stale expect" in d.reason
+    assert w.fleet.serving_versions() == ["v1"] * 3 and w.reg.champion() == "v1"
+
+
+# ---- rollback ------------------------------------------------------------------------------------
+def test_a_collapse_after_promotion_rolls_back_and_blocks(world):
+    w = world
+    promote_v2(w)
+    w.traffic.collapsed = {"v2"}
+    w.traffic.serve(CFG.collapse_min_requests + 5)
+    d = w.ctrl.tick()
+    assert d.action == ROLLBACK and "collapse" in d.reason
+    assert w.fleet.serving_versions() == ["v1"] * 3 and w.reg.champion() == "v1" and w.ctrl.state == "idle"
+    assert "collapse" in w.reg.blocked()["v2"].reason
+    assert w.events() == ["considered", "canary_started", "canary_ended", "promoted", "rolled_back"]
+    # a blocked version is never considered again
+    assert w.ctrl.consider("v2", *replay(0.0, 0.5)).action == REJECT
+    assert "blocked" in w.plog.read().events[-1].reason and w.events()[-1] == "considered"
+
+
+def test_on_call_rollback_through_the_controller(world):
+    w = world
+    promote_v2(w)
+    d = w.ctrl.rollback("latency alarm")
+    assert d.action == ROLLBACK and w.fleet.serving_versions() == ["v1"] * 3 and w.reg.champion() == "v1"
+    last = w.plog.read().events[-1]
+    assert (last.event, last.by, last.candidate, last.champion) == ("rolled_back", "on-call", "v2", "v1")
+    assert "latency alarm" in last.reason and "latency alarm" in w.reg.blocked()["v2"].reason
+
+
+def test_on_call_rollback_of_the_registry_alone_is_reconciled_by_the_next_tick(world):
+    w = world
+    promote_v2(w)
+    rollback_champion(w.reg, w.plog, "bad outputs reported")  # what the CLI does: no fleet at hand
+    assert w.fleet.serving_versions() == ["v2"] * 3
+    assert w.ctrl.tick().action == HOLD and w.ctrl.state == "idle"  # the watch ends: the champion moved
+    assert w.ctrl.tick().action == HOLD and w.fleet.serving_versions() == ["v1"] * 3
+    assert w.ctrl.tick() is None
+
+
+def test_rollback_during_a_canary_aborts_it(world):
+    w = world
+    w.ctrl.consider("v2", *replay(0.0, 0.3))
+    assert w.ctrl.rollback("wrong data window").action == ROLLBACK
+    assert w.fleet.canary is None and w.ctrl.state == "idle" and "v2" in w.reg.blocked()
+    assert all(r.swaps == [] for r in w.replicas)
+
+
+def test_rolling_back_to_plain_decoding_and_nothing_further(tmp_path, registry_template):
+    w = make_world(tmp_path, registry_template)  # v1 replaced plain decoding: its previous is 'none'
+    assert w.ctrl.rollback("draft overhead").action == ROLLBACK
+    assert w.fleet.serving_versions() == [PLAIN] * 3 and w.reg.champion() == PLAIN and "v1" in w.reg.blocked()
+    with pytest.raises(ValueError, match="nothing to roll back"):
+        w.ctrl.rollback()
+
+
+# ---- pins, blocks, refusals --------------------------------------------------------------------------
+def test_a_pinned_registry_promotes_nothing(world):
+    w = world
+    w.ctrl.pin("v1", "incident 42")
+    d = w.ctrl.consider("v2", *replay(0.0, 0.3))
+    assert d.action == HOLD and "pinned" in d.reason and w.ctrl.state == "idle" and w.fleet.canary is None
+    assert w.events() == ["pinned", "considered"]
+    w.ctrl.unpin()
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3)).action == PROMOTE
+    assert w.events() == ["pinned", "considered", "unpinned", "considered", "canary_started"]
+
+
+def test_a_pin_ends_a_running_canary(world):
+    w = world
+    w.ctrl.consider("v2", *replay(0.0, 0.3))
+    w.reg.pin("v1", "set by heads pin")  # outside the controller
+    d = w.run_canary()
+    assert d.action == HOLD and "pinned" in d.reason and w.fleet.canary is None and w.ctrl.state == "idle"
+    assert all(r.swaps == [] for r in w.replicas)
+
+
+def test_pinning_another_version_makes_it_the_champion_and_the_fleet_follows(world):
+    w = world
+    d = w.ctrl.pin("v3", "known good")
+    assert d.action == HOLD and w.reg.champion() == "v3" and w.reg.pinned().version == "v3"
+    assert w.fleet.serving_versions() == ["v3"] * 3
+    last = w.plog.read().events[-1]
+    assert (last.event, last.candidate, last.champion, last.by) == ("pinned", "v3", "v1", "on-call")
+
+
+@pytest.mark.parametrize("candidate, words", [("nope", "not a head version"), (PLAIN, "not a head version"),
+                                              ("v1", "already is the champion")])
+def test_candidates_that_cannot_be_considered(world, candidate, words):
+    d = world.ctrl.consider(candidate, *replay(0.0, 0.3))
+    assert d.action in (REJECT, HOLD) and words in d.reason and world.ctrl.state == "idle"
+    assert world.events() == ["considered"]
+
+
+def test_one_candidate_at_a_time(world):
+    w = world
+    w.ctrl.consider("v2", *replay(0.0, 0.3))
+    d = w.ctrl.consider("v3", *replay(0.0, 0.4, candidate="v3"))
+    assert d.action == HOLD and "busy" in d.reason and w.fleet.canary.version == "v2"
+
+
+# ---- cold start: champion 'none' ---------------------------------------------------------------------
+@pytest.mark.parametrize("head_tpot, action", [(0.03, PROMOTE), (0.05, REJECT)])
+def test_cold_start_is_judged_by_wall_time_per_token(tmp_path, registry_template, head_tpot, action):
+    w = make_world(tmp_path, registry_template, champion=PLAIN, speed={PLAIN: 0.04, "v2": head_tpot})
+    _, candidate = replay(0.0, 0.3)
+    d = w.ctrl.consider("v2", [], candidate)  # plain decoding's replay is implied: 1 token per step
+    assert d.action == PROMOTE and d.evidence["tail_champion"] == 1.0
+    assert "cold-start" in w.plog.read().events[-1].reason
+    d = w.run_canary()
+    assert d.action == action and d.evidence["metric"] == "tpot_s"
+    assert w.reg.champion() == ("v2" if action == PROMOTE else PLAIN)
+    assert w.fleet.serving_versions() == [w.reg.champion()] * 3
+
+
+def test_status(world):
+    world.ctrl.consider("v2", *replay(0.0, 0.3))
+    st = world.ctrl.status()
+    assert st["state"] == "canary" and st["canary"]["candidate"] == "v2" and st["champion"] == "v1"
+    assert st["serving"] == ["v1"] * 3
+
+
+# ---- layering ------------------------------------------------------------------------------------
+def test_policies_never_import_torch_or_the_trainer():
+    code = ("import sys; import policies.controller, policies.gates, policies.fleet, policies.log, "
+            "policies.render, policies.config, policies.actor, policies.cli; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'trainer', 'serving', 'ray')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
