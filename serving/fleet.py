@@ -59,12 +59,14 @@ class GatewayFleet:
         return self._call(self.aswap(version))
 
     def serving_versions(self) -> list[str]:
-        return self.router.serving_versions()
+        """Each replica's confirmed version, in replica order ("none": plain decoding)."""
+        return [s.version for s in self.router.slots]
 
     def set_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
         return self._call(self.aset_canary(version, fraction))
 
     def live_samples(self, version: str, since: float = 0.0) -> list[RequestSample]:
+        """Finished requests that decoded with `version` and finished at or after `since` (unix s)."""
         return self.samples.get(version, since)
 
     def _call(self, coro):

@@ -38,6 +38,7 @@ from serving.server import DecodeServer
 
 log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0
+STARTUP_TIMEOUT_S = 300.0
 
 
 class SwapBody(BaseModel):
@@ -89,10 +90,10 @@ class Gateway:
             raise api.ApiError(403, why, None, "invalid_admin_token")
 
     # ---- statuses -----------------------------------------------------------------------------
-    async def statuses(self) -> list:
+    async def statuses(self, timeout_s: float = STATUS_TIMEOUT_S) -> list:
         async def one(slot):
             try:
-                return await asyncio.wait_for(slot.replica.status(), STATUS_TIMEOUT_S)
+                return await asyncio.wait_for(slot.replica.status(), timeout_s)
             except Exception as e:  # noqa: BLE001 - one silent replica must not hide the others
                 log.warning("status of %s failed: %s", slot.replica.name, e)
                 return None
@@ -100,7 +101,8 @@ class Gateway:
         return [s for s in await asyncio.gather(*(one(s) for s in self.router.slots)) if s is not None]
 
     async def refresh_versions(self) -> None:
-        for st in await self.statuses():
+        """The head each replica serves, asked once at start (actors may still be loading their target)."""
+        for st in await self.statuses(STARTUP_TIMEOUT_S):
             for slot in self.router.slots:
                 if slot.replica.name == st.replica:
                     slot.version = st.head_version

@@ -71,11 +71,17 @@ class Stack:
         return server.generate(DecodeRequest(request_id="plain", messages=tuple(messages), max_tokens=max_tokens))
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory) -> Stack:
+def make_target():
+    """The same tiny target in every process (seeded). Ray actors build it themselves: a transformers 5
+    model unpickled in a fresh process returns no hidden states until a model class is constructed."""
     target = tiny_target(seed=3, dtype=torch.float64, vocab_size=VOCAB, num_layers=6, initializer_range=0.15,
                          max_position_embeddings=512)
-    target = replace(target, tokenizer=word_tokenizer())
+    return replace(target, tokenizer=word_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    target = make_target()
     root = Path(tmp_path_factory.mktemp("registry"))
     registry = HeadRegistry.create(root)
     for version, seed in (("v1", 11), ("v2", 12)):
