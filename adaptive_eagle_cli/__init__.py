@@ -5,7 +5,9 @@ Top level: the core's commands (adaptive_eagle.cli: generate, target-info, expor
 import-head), the trainer's (trainer.cli: train-head, eval-head, data-stats) and the demo
 (adaptive_eagle_cli.demo); `store ...` is the feature store's sub-app (feature_store.cli) and
 `heads ...` the head registry's (adaptive_eagle.heads_cli).
-Serving and policies mount their commands here when they have some.
+The policy's commands (policies.cli: promotions, rollback, pin, unpin) are at top level too; they
+differ from `heads pin/unpin` in that they also write the promotion log. Serving mounts its commands
+here when it has some.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from adaptive_eagle.cli import app as core_app
 from adaptive_eagle.heads_cli import heads_app
 from adaptive_eagle_cli.demo import demo_app
 from feature_store.cli import store_app
+from policies.cli import policies_app
 from trainer.cli import trainer_app
 
 app = typer.Typer(
     help="adaptive-eagle: EAGLE-3 speculative decoding whose draft heads keep adapting to live traffic.\n\n"
     "Decode with EAGLE-3 (hot-swappable heads, lossless), train and evaluate draft heads, inspect the "
-    "feature store of captured traffic. The near-line trainer, promotion policy and serving gateway are not "
-    "available yet.",
+    "feature store of captured traffic, read the promotion log and roll back, pin or unpin heads. The near-line "
+    "trainer and the serving gateway are not available yet.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
@@ -31,6 +34,7 @@ app = typer.Typer(
 app.add_typer(trainer_app)
 app.add_typer(core_app)
 app.add_typer(demo_app)
+app.add_typer(policies_app)
 app.add_typer(store_app, name="store")
 app.add_typer(heads_app, name="heads")
 

@@ -26,3 +26,11 @@ def samples(values, version: str, *, domain: str | None = None, ids: str = "r", 
 def small_config(**kw) -> PolicyConfig:
     """Defaults with fewer resamples (fast tests); any field can be overridden."""
     return PolicyConfig(**{"bootstrap_resamples": 1000, **kw})
+
+
+def replay(champion_shift: float, candidate_shift: float, n: int = 300, champion="v1", candidate="v2"):
+    """Acceptance replay: both heads scored on the same n records (paired by request_id)."""
+    rng = np.random.default_rng(7)
+    d = rng.normal(0, 0.3, n)
+    return (samples(accept_lengths(rng, n, difficulty=d + champion_shift, noise=0.1), champion),
+            samples(accept_lengths(rng, n, difficulty=d + candidate_shift, noise=0.1), candidate))

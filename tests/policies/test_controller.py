@@ -10,41 +10,19 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
-import torch
 
-from adaptive_eagle.checkpoint import HeadMeta
-from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
 from adaptive_eagle.registry import HeadRegistry
-from adaptive_eagle.targets import tiny_target
 from policies.controller import PolicyController, rollback_champion
 from policies.fleet import Canary, LocalFleet
 from policies.gates import CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK
 from policies.log import PromotionLog
 from policies.samples import PLAIN
-from tests.policies.helpers import accept_lengths, samples, small_config
+from tests.policies.helpers import replay, small_config
 from tests.policies.replicas import FakeClock, RecordingReplica, Traffic
 
 CFG = small_config(min_samples=200, canary_min_requests=100, rollback_window=100, collapse_min_requests=20,
                    canary_fraction=0.5, bootstrap_resamples=500)
-VERSIONS = ("v1", "v2", "v3")
-
-
-@pytest.fixture(scope="module")
-def registry_template(tmp_path_factory):
-    """One registry of three tiny heads, copied per test (building heads is the slow part)."""
-    target = tiny_target(num_layers=8)
-    root = tmp_path_factory.mktemp("template") / "registry"
-    reg = HeadRegistry.create(root)
-    for i, name in enumerate(VERSIONS):
-        torch.manual_seed(i)
-        cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=40, aux_layer_ids=target.aux_layer_ids)
-        head = Eagle3DraftHead(cfg)
-        init_weights(head)
-        head.set_draft_vocab(torch.randperm(cfg.vocab_size)[:40].sort().values)
-        reg.register(head, HeadMeta.new(name, target.name, target.fingerprint), dtype=torch.float32)
-    return root
 
 
 @dataclass
@@ -78,13 +56,6 @@ def make_world(tmp_path, registry_template, *, champion="v1", refuse=None, quali
     plog = PromotionLog(tmp_path / "promotions.jsonl")
     traffic = Traffic(fleet, clock, quality=quality or {"v1": 0.0, "v2": 0.3, "v3": -0.3}, speed=speed or {})
     return World(PolicyController(reg, fleet, plog, CFG, clock=clock), reg, fleet, reps, plog, traffic, clock)
-
-
-def replay(champion_shift: float, candidate_shift: float, n: int = 300, champion="v1", candidate="v2"):
-    rng = np.random.default_rng(7)
-    d = rng.normal(0, 0.3, n)
-    return (samples(accept_lengths(rng, n, difficulty=d + champion_shift, noise=0.1), champion),
-            samples(accept_lengths(rng, n, difficulty=d + candidate_shift, noise=0.1), candidate))
 
 
 @pytest.fixture
