@@ -181,7 +181,14 @@ class PolicyController:
                                  reason=f"{what}: {decision.reason}", evidence=decision.evidence)
                 self._to("idle", f"{candidate} not promoted offline")
                 return decision
-            self.fleet.set_canary(candidate, self.config.canary_fraction)
+            try:
+                self.fleet.set_canary(candidate, self.config.canary_fraction)
+            except Exception as e:  # noqa: BLE001 - any fleet refusal (too few replicas, a refused head) ends here
+                reason = f"the canary could not start: {e}"
+                self.plog.record("rejected", candidate=candidate, champion=champion, action=REJECT, reason=reason,
+                                 evidence=decision.evidence)
+                self._to("idle", "canary refused by the fleet")
+                return Decision(REJECT, reason, decision.evidence)
             self._to("canary", f"{candidate} passed the offline gate")
             self._canary = CanaryRun(candidate=candidate, champion=champion, since=self.clock())
             gate = "cold-start canary (TPOT)" if champion == PLAIN else "canary"
@@ -235,9 +242,14 @@ class PolicyController:
         return self._promote(run, decision, baseline=champ)
 
     def _end_canary(self, run: CanaryRun, decision: Decision) -> Decision:
-        self.fleet.set_canary(None, 0.0)
+        note = ""
+        try:
+            self.fleet.set_canary(None, 0.0)
+        except Exception as e:  # noqa: BLE001 - logged; an idle tick brings the fleet to the champion
+            log.warning("policy: ending the canary of %s failed: %s", run.candidate, e)
+            note = f" (ending the canary failed: {e})"
         self.plog.record("canary_ended", candidate=run.candidate, champion=run.champion, action=decision.action,
-                         reason=decision.reason, evidence=decision.evidence)
+                         reason=decision.reason + note, evidence=decision.evidence)
         if decision.action == REJECT:
             self.plog.record("rejected", candidate=run.candidate, champion=run.champion, action=REJECT,
                              reason=f"canary: {decision.reason}", evidence=decision.evidence)

@@ -7,7 +7,8 @@ package provides its own Fleet (gateway-backed) with the same four methods.
 
 Vocabulary: a *replica* is one server; its *version* is the head version it confirms it serves ("none":
 plain decoding). A *canary* sends a fraction of new requests to a candidate version while the rest keep
-the fleet's version; outside a canary every replica serves the same version.
+the fleet's version (by routing requests, or by swapping some replicas: then ``serving_versions`` is mixed
+during the canary); outside a canary every replica serves the same version.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ class Fleet(Protocol):
         """Each replica's confirmed version, in replica order ("none" for plain decoding)."""
         ...
 
-    def set_canary(self, version: str | None, fraction: float) -> None:
-        """Send `fraction` of new requests to `version` (None: end the canary; fraction is then ignored)."""
+    def set_canary(self, version: str | None, fraction: float) -> object:
+        """Send `fraction` of new requests to `version` (None: end the canary; fraction is then ignored).
+        A fleet may route per request (LocalFleet) or swap some replicas to `version` (the gateway's); the
+        return value is ignored. Raises (ValueError, RuntimeError, ...) when the canary cannot be set."""
         ...
 
     def live_samples(self, version: str, since: float) -> list[RequestSample]:

@@ -154,6 +154,19 @@ def test_a_registry_refusal_at_promotion_swaps_the_fleet_back(world):
     assert w.fleet.serving_versions() == ["v1"] * 3 and w.reg.champion() == "v1"
 
 
+def test_a_fleet_that_refuses_the_canary_rejects_the_candidate(world):
+    w = world
+
+    def refuse(version, fraction):
+        if version is not None:
+            raise ValueError("a canary needs at least 2 replicas")
+
+    w.fleet.set_canary = refuse
+    d = w.ctrl.consider("v2", *replay(0.0, 0.3))
+    assert d.action == REJECT and "could not start" in d.reason and "2 replicas" in d.reason
+    assert w.ctrl.state == "idle" and w.events() == ["considered", "rejected"]
+
+
 # ---- rollback ------------------------------------------------------------------------------------
 def test_a_collapse_after_promotion_rolls_back_and_blocks(world):
     w = world
