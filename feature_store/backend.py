@@ -50,14 +50,15 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def open_backend(config: StoreConfig) -> Backend:
+def open_backend(config: StoreConfig, create: bool = True) -> Backend:
+    """create=False for read-only use: a local store that does not exist raises StoreUnavailable."""
     if config.backend == "redis":
         from feature_store.redis_backend import RedisBackend
 
         return RedisBackend(config)
     from feature_store.local import LocalBackend
 
-    return LocalBackend(config)
+    return LocalBackend(config, create=create)
 
 
 def atomic_write_json(path: Path, obj: dict, fsync: bool = True) -> None:

@@ -40,8 +40,8 @@ def _config(config: Optional[Path], root: Optional[Path], redis_url: Optional[st
 def _backend(cfg):
     from feature_store.backend import StoreUnavailable, open_backend
 
-    b = open_backend(cfg)
     try:
+        b = open_backend(cfg, create=False)  # read-only commands never create a store
         b.ping()
     except StoreUnavailable as e:
         typer.secho(f"error: store unavailable: {e}", fg=typer.colors.RED, err=True)

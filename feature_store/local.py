@@ -50,11 +50,14 @@ class _Group:
 
 
 class LocalBackend:
-    def __init__(self, config: StoreConfig):
+    def __init__(self, config: StoreConfig, create: bool = True):
+        """create=False (read-only commands): a directory that holds no store is an error, never made."""
         self.cfg = config
         self.root = Path(config.local_root)
         self.seg_dir = self.root / "segments"
         self.off_dir = self.root / "offsets"
+        if not create and not self.seg_dir.is_dir():
+            raise StoreUnavailable(f"{self.root}: no feature store here (no segments/ directory); check the path")
         for d in (self.seg_dir, self.off_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()

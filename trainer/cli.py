@@ -72,27 +72,86 @@ def train_head(
 
 @trainer_app.command("eval-head")
 def eval_head(
-    head: Path = typer.Argument(SHIPPED_HEAD, help="head version directory"),
+    head: str = typer.Argument(str(SHIPPED_HEAD), help="head version directory, or a version name with --registry"),
     target: Optional[str] = typer.Option(None, help="default: the head's target_name"),
-    domains: str = typer.Option("english,code,math", help="held-out domains to evaluate"),
-    convs: int = typer.Option(48, help="held-out conversations per domain"),
+    domains: str = typer.Option("english,code,math", help="domains to evaluate (stored traffic: its domain tags; "
+                                "'all' for every tag)"),
+    convs: int = typer.Option(48, help="held-out ShareGPT conversations per domain"),
     max_len: int = typer.Option(1024, help="tokens per conversation"),
     update_meta: bool = typer.Option(False, help="write the results into head.json metrics"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    root: Optional[Path] = typer.Option(None, "--root", help="replay on this local feature store's traffic"),
+    store_config: Optional[Path] = typer.Option(None, "--store-config", help="... or this StoreConfig JSON"),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="... or this Redis store"),
+    window: Optional[str] = typer.Option(None, help="stored traffic of the last 30m, 6h, 2d, ... (default: all)"),
+    records: int = typer.Option(200, min=1, help="at most this many of the newest stored records"),
+    against: Optional[str] = typer.Option(None, help="comma-separated heads replayed on the same records"),
+    registry: Optional[str] = typer.Option(None, help="head registry: look heads up as version names"),
+    depth: int = typer.Option(5, min=1, max=16, help="replay tree depth (serving default)"),
+    topk: int = typer.Option(4, min=1, max=16, help="replay tree top-k"),
+    draft_tokens: int = typer.Option(16, min=1, max=128, help="replay tree nodes"),
 ) -> None:
-    """Per-position acceptance (0-α…6-α) and expected accept length on held-out ShareGPT domains."""
+    """Acceptance of a draft head: on stored traffic (--root/--store-config/--redis-url) by acceptance
+    replay of the serving tree against what the target committed, or else on held-out ShareGPT domains
+    (per-position acceptance 0-α…6-α and expected chain accept length)."""
     from adaptive_eagle.checkpoint import HeadValidationError
+
+    if root is not None or store_config is not None or redis_url is not None:
+        heads = [head] + [h.strip() for h in (against or "").split(",") if h.strip()]
+        doms = None if domains.strip() == "all" else [d.strip() for d in domains.split(",")]
+        _eval_on_store(heads, (store_config, root, redis_url), target, doms, window, records, registry,
+                       (depth, topk, draft_tokens), as_json)
+        return
     from trainer.train_head import run_eval_head
 
-    if not (head / "head.json").exists():
+    if not (Path(head) / "head.json").exists():
         fail(f"{head}: not a head version directory (no head.json)")
     try:
-        res = run_eval_head(head, target, [d.strip() for d in domains.split(",")], convs, max_len, update_meta,
+        res = run_eval_head(Path(head), target, [d.strip() for d in domains.split(",")], convs, max_len, update_meta,
                             log=(lambda s: None) if as_json else typer.echo)
     except HeadValidationError as e:
         fail(f"head refused: {e}")
     if as_json:
         typer.echo(json.dumps(res))
+
+
+def _eval_on_store(heads, store_opts, target, domains, window, records, registry, tree_opts, as_json) -> None:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from adaptive_eagle.checkpoint import HeadValidationError
+    from adaptive_eagle.registry import RegistryError
+    from feature_store.backend import StoreUnavailable
+    from feature_store.cli import _config
+    from trainer.evaluate import replay_store
+    from trainer.replay import TreeParams
+
+    cfg = _config(*store_opts, "ae")
+    try:
+        with Progress(transient=True, disable=as_json) as bar:
+            task = bar.add_task("replaying", total=None)
+            report, facts = replay_store(heads, cfg, registry=registry, window=window, domains=domains, newest=records,
+                                         tree=TreeParams(*tree_opts), target=target,
+                                         progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except (StoreUnavailable, FileNotFoundError, HeadValidationError, RegistryError, ValueError) as e:
+        fail(str(e))
+    out = {**report.summary(), "store": facts}
+    if as_json:
+        typer.echo(json.dumps(out))
+        return
+    t = Table(title=f"acceptance replay on {facts['records']} stored records"
+                    + (f" (last {window})" if window else "") + f", tree {tree_opts[0]}x{tree_opts[1]}/{tree_opts[2]}")
+    for col in ("head", "domain", "records", "accept length", "p5 accept length", "0-α … 6-α"):
+        t.add_column(col)
+    for name, s in report.scores.items():
+        t.add_row(name, "all", str(len(s.records)), f"{s.mean:.3f}", f"{s.quantile(0.05):.3f}",
+                  " ".join(f"{a:.2f}" for a in s.alpha()))
+        for d, ds in s.by_domain().items():
+            t.add_row("", d or "untagged", str(len(ds.records)), f"{ds.mean:.3f}", f"{ds.quantile(0.05):.3f}", "")
+    Console(width=160).print(t)
+    if report.skipped:
+        typer.echo("skipped: " + ", ".join(f"{k}: {v}" for k, v in report.skipped.items()))
 
 
 @trainer_app.command("calibrate-head")

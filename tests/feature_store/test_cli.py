@@ -40,3 +40,12 @@ def test_clear_refusals():
     assert invoke("stats").exit_code == 2
     res = invoke("stats", "--redis-url", "redis://127.0.0.1:1/0")
     assert res.exit_code == 1 and "unavailable" in res.output
+
+
+def test_read_only_commands_refuse_a_mistyped_store_and_create_nothing(tmp_path):
+    missing = tmp_path / "no-such-store"
+    for args in (("stats", "--root", str(missing)), ("tail", "--root", str(missing)),
+                 ("export", str(tmp_path / "o.jsonl"), "--root", str(missing))):
+        res = invoke(*args)
+        assert res.exit_code == 1 and "no feature store here" in res.output, args
+    assert not missing.exists() and not (tmp_path / "o.jsonl").exists()
