@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 from scipy.stats import bootstrap
@@ -183,27 +183,35 @@ def _fmt(x: float) -> str:
     return f"{x:+.3f}" if abs(x) >= 1e-3 or x == 0 else f"{x:+.2e}"
 
 
+def _units(cmp: Comparison) -> tuple[str, Callable[[float], str], Callable[[float], str]]:
+    """The tail's name, a value's format and a gain's format: accept length in tokens, TPOT in ms."""
+    if cmp.metric == "tpot_s":
+        return (f"P{round(100 * cmp.quantile)} TPOT", lambda x: f"{1000 * x:.1f} ms",
+                lambda x: f"{1000 * x:+.1f} ms")
+    return f"p{round(100 * cmp.quantile)} accept length", lambda x: f"{x:.3f}", _fmt
+
+
 def _judge(cmp: Comparison, config: PolicyConfig, stage: str) -> Decision:
     """promote / reject on a comparison whose sample counts are already large enough."""
     ev = {"gate": stage, **cmp.as_dict()}
-    what = "P%g TPOT" % round(100 * cmp.quantile) if cmp.metric == "tpot_s" else \
-        "p%g accept length" % round(100 * cmp.quantile)
-    ci = f"[{_fmt(cmp.ci_low)}, {_fmt(cmp.ci_high)}]"
+    what, val, gain = _units(cmp)
+    mean_what = "mean TPOT" if cmp.metric == "tpot_s" else "mean accept length"
+    ci = f"[{gain(cmp.ci_low)}, {gain(cmp.ci_high)}]"
     if not cmp.ci_low > 0:
-        return Decision(REJECT, f"{what} does not improve significantly: gain {_fmt(cmp.tail_gain)}, interval {ci} "
-                                f"reaches 0 at {cmp.level:.0%}.", ev)
+        return Decision(REJECT, f"{what} does not improve significantly: gain {gain(cmp.tail_gain)}, interval {ci} "
+                                f"not above 0 at {cmp.level:.0%}.", ev)
     if _dropped(cmp.mean_gain, cmp.mean_champion, config.mean_tolerance):
-        return Decision(REJECT, f"the mean {cmp.metric} regresses by {_fmt(-cmp.mean_gain)} "
-                                f"({cmp.mean_champion:.3f} -> {cmp.mean_candidate:.3f}), more than the "
+        return Decision(REJECT, f"the {mean_what} regresses ({val(cmp.mean_champion)} -> "
+                                f"{val(cmp.mean_candidate)}), more than the "
                                 f"{config.mean_tolerance:.0%} tolerance.", ev)
     bad = [r for r in cmp.domains if r.regressed]
     if bad:
-        names = ", ".join(f"{r.domain} (tail {r.tail_champion:.3f} -> {r.tail_candidate:.3f}, mean "
-                          f"{r.mean_champion:.3f} -> {r.mean_candidate:.3f})" for r in bad)
+        names = ", ".join(f"{r.domain} (tail {val(r.tail_champion)} -> {val(r.tail_candidate)}, mean "
+                          f"{val(r.mean_champion)} -> {val(r.mean_candidate)})" for r in bad)
         return Decision(REJECT, f"domain {names} regresses by more than the {config.domain_tolerance:.0%} "
                                 "tolerance.", ev)
-    return Decision(PROMOTE, f"{what} improves by {_fmt(cmp.tail_gain)} ({cmp.tail_champion:.3f} -> "
-                             f"{cmp.tail_candidate:.3f}), interval {ci} above 0 at {cmp.level:.0%}.", ev)
+    return Decision(PROMOTE, f"{what} improves by {gain(cmp.tail_gain)} ({val(cmp.tail_champion)} -> "
+                             f"{val(cmp.tail_candidate)}), interval {ci} above 0 at {cmp.level:.0%}.", ev)
 
 
 def _too_few(stage: str, n_champion: int, n_candidate: int, needed: int, unit: str) -> Decision | None:
@@ -278,13 +286,13 @@ def rollback_check(previous_baseline: Sequence[RequestSample], live_after_promot
         return Decision(HOLD, f"watch passed: no collapse over {n} requests (mean accept length {mean:.3f}); "
                               "no baseline to compare the tail with.", ev)
     ev.update(cmp.as_dict())
-    floor = -config.rollback_margin * abs(cmp.tail_champion)
-    if cmp.ci_high < floor:
-        return Decision(ROLLBACK, f"tail {cmp.metric} fell from {cmp.tail_champion:.3f} to {cmp.tail_candidate:.3f}"
-                                  f", interval [{_fmt(cmp.ci_low)}, {_fmt(cmp.ci_high)}] wholly below the "
+    what, val, gain = _units(cmp)
+    if cmp.ci_high < -config.rollback_margin * abs(cmp.tail_champion):
+        return Decision(ROLLBACK, f"{what} fell from {val(cmp.tail_champion)} to {val(cmp.tail_candidate)}, "
+                                  f"interval [{gain(cmp.ci_low)}, {gain(cmp.ci_high)}] wholly below the "
                                   f"{config.rollback_margin:.0%} margin.", ev)
-    return Decision(HOLD, f"watch passed: tail {cmp.metric} {cmp.tail_champion:.3f} -> {cmp.tail_candidate:.3f} "
-                          f"over {n} requests, within the {config.rollback_margin:.0%} margin.", ev)
+    return Decision(HOLD, f"watch passed: {what} {val(cmp.tail_champion)} -> {val(cmp.tail_candidate)} over {n} "
+                          f"requests, within the {config.rollback_margin:.0%} margin.", ev)
 
 
 def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[RequestSample],

@@ -3,7 +3,8 @@
 Owns: how a PromotionEvent looks on a terminal. Must not touch: the log file (``policies.log`` reads it),
 decisions, the registry.
 
-Columns: time (UTC), event, by (policy / on-call), versions (champion -> candidate), tail (the compared
+Columns: time (UTC), event, by (policy / on-call), versions (champion -> candidate; for a rollback, the
+rolled-back version -> the one restored), tail (the compared
 quantile, champion -> candidate, with the interval of the gain), mean, n (champion / candidate requests),
 reason. Cold-start rows show P95 TPOT in milliseconds (lower is better); the others accept length.
 """
@@ -42,7 +43,7 @@ def tail_cell(ev: dict) -> str:
     pct = round(100 * q) if q is not None else "?"
     label = f"P{pct} TPOT " if tpot else f"p{pct} "
     lo, hi = _num(ev.get("ci_low")), _num(ev.get("ci_high"))
-    ci = f" [{lo * scale:+.3g},{hi * scale:+.3g}]" if lo is not None and hi is not None else ""
+    ci = f" [{lo * scale:+.{digits}f},{hi * scale:+.{digits}f}]" if lo is not None and hi is not None else ""
     return f"{label}{pair}{unit}{ci}"
 
 
@@ -66,6 +67,8 @@ def n_cell(ev: dict) -> str:
 def versions_cell(e: PromotionEvent) -> str:
     if e.event in ("pinned", "unpinned"):
         return e.candidate or ""
+    if e.event == "rolled_back" and e.champion and e.candidate:  # from the bad version back to the previous one
+        return f"{e.candidate}→{e.champion}"
     if e.champion and e.candidate and e.champion != e.candidate:
         return f"{e.champion}→{e.candidate}"
     return e.candidate or e.champion or ""

@@ -27,11 +27,13 @@ COLD = {**GATE, "metric": "tpot_s", "quantile": 0.95, "tail_champion": 0.0412, "
 def test_cells():
     assert tail_cell(GATE) == "p5 1.412→1.465 [+0.021,+0.088]"
     assert tail_cell(COLD) == "P95 TPOT 41.2→33.0ms [+2.1,+9.7]"
+    assert tail_cell({**GATE, "ci_low": 0.4, "ci_high": -0.05}) == "p5 1.412→1.465 [+0.400,-0.050]"
     assert mean_cell(GATE) == "1.900→1.950" and mean_cell(COLD) == "35.0→30.0ms"
     assert n_cell(GATE) == "410/402" and n_cell({"n_live": 25}) == "25" and n_cell({}) == ""
     assert tail_cell({}) == "" and mean_cell({"mean_accept_length": 1.02}) == "1.020"
     assert versions_cell(PromotionEvent(event="promoted", candidate="v2", champion="v1")) == "v1→v2"
     assert versions_cell(PromotionEvent(event="pinned", candidate="v1", champion="v0")) == "v1"
+    assert versions_cell(PromotionEvent(event="rolled_back", candidate="v2", champion="v1")) == "v2→v1"
 
 
 def test_table_has_one_row_per_event_with_the_reason():
