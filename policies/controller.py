@@ -12,7 +12,7 @@ Invariants:
 - the champion pointer moves (compare-and-set, ``expect=`` the old champion) only after every replica
   confirmed the new version;
 - a pinned registry promotes nothing (candidates are held; a running canary ends); blocked versions are
-  never considered;
+  never considered, and the fleet is never swapped onto one (even when the registry's pointer names it);
 - champion "none" (plain decoding): the canary is judged by ``cold_start_gate`` (wall time per token).
 
 On-call operations (``rollback``, ``pin``, ``unpin``) are also module functions over a registry and a log
@@ -318,8 +318,19 @@ class PolicyController:
         if not ok:
             ok, why = self._swap_all(previous, fallback=None)  # one retry; idle ticks keep reconciling
         note = "" if ok else f" (fleet swap incomplete: {why})"
-        decision = rollback_champion(self.registry, self.plog, reason + note, by=by, version=version,
-                                     previous=previous, evidence=evidence)
+        try:
+            decision = rollback_champion(self.registry, self.plog, reason + note, by=by, version=version,
+                                         previous=previous, evidence=evidence)
+        except ValueError as e:  # the pointer cannot move (e.g. previous blocked): block the bad head anyway
+            try:
+                self.registry.block(version, reason)
+            except ValueError:
+                pass
+            why = (f"fleet rolled back from {version} to {previous}, but the registry refused: {e}; move the "
+                   "champion pointer by hand (adaptive-eagle heads champion --set)")
+            self.plog.record("rolled_back", candidate=version, champion=previous, action=ROLLBACK, by=by,
+                             evidence=evidence, reason=f"{why}: {reason}")
+            decision = Decision(ROLLBACK, why, evidence)
         self._to("idle", f"{version} rolled back")
         return decision
 
@@ -327,6 +338,9 @@ class PolicyController:
         champion, served = self.registry.champion(), self.fleet.serving_versions()
         if all(v == champion for v in served):
             return None
+        if champion in self.registry.blocked():  # never swap the fleet onto a blocked head
+            return Decision(HOLD, f"the champion {champion} is blocked; the fleet stays on {served} until the "
+                                  "pointer moves.")
         fallback = served[0] if len(set(served)) == 1 else None
         ok, why = self._swap_all(champion, fallback=fallback)
         if ok:

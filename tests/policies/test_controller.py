@@ -183,6 +183,19 @@ def test_a_collapse_after_promotion_rolls_back_and_blocks(world):
     assert "blocked" in w.plog.read().events[-1].reason and w.events()[-1] == "considered"
 
 
+def test_a_rollback_the_registry_refuses_still_gets_the_fleet_off_the_bad_head(world):
+    w = world
+    promote_v2(w)
+    w.reg.block("v1", "bad calibration")  # the previous champion cannot become champion again
+    w.traffic.collapsed = {"v2"}
+    w.traffic.serve(CFG.rollback_window)
+    d = w.ctrl.tick()
+    assert d.action == ROLLBACK and "registry refused" in d.reason and "heads champion --set" in d.reason
+    assert w.fleet.serving_versions() == ["v1"] * 3 and w.reg.champion() == "v2" and "v2" in w.reg.blocked()
+    assert w.ctrl.tick().action == HOLD and w.fleet.serving_versions() == ["v1"] * 3  # not swapped back onto v2
+    assert w.events()[-1] == "rolled_back"
+
+
 def test_on_call_rollback_through_the_controller(world):
     w = world
     promote_v2(w)
