@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from adaptive_eagle.atomic import atomic_write_text
-from adaptive_eagle.costmodel import AcceptCalibration
+from adaptive_eagle.costmodel import AcceptCalibration, DraftGate
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.targets import Target
 
@@ -58,6 +58,7 @@ class HeadBinding:
     compute: str = ""
     lossless: str = "exact"
     calibration_source: str = "prior"  # "cache" | "head.json" | "prior"
+    gate: DraftGate = field(default_factory=DraftGate)  # does drafting with this head pay on this machine?
 
     @property
     def key(self) -> str | None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from adaptive_eagle.binding import (CalibrationStore, HeadBinding, HeadRefused, SwapResult, make_binding)
-from adaptive_eagle.costmodel import DraftGate, VerifyCost, best_prefix, min_useful_prob
+from adaptive_eagle.costmodel import VerifyCost, best_prefix, min_useful_prob
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.drafting import HeadFeed, draft_tree
 from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
@@ -145,7 +145,6 @@ class SpeculativeEngine:
         self.verify_cost = VerifyCost()
         self.overhead_ms = 0.0  # moving average of a step's time outside the verify forward (drafting, upkeep)
         self.rate = float("nan")  # moving average of committed tokens per ms
-        self.gate = DraftGate()  # does drafting with the bound head pay on this machine? (reset by set_head)
         head, version, metrics = _unpack_head(head, head_version)
         try:
             self._binding = make_binding(head, version, target, self.calibrations, metrics)
@@ -182,21 +181,29 @@ class SpeculativeEngine:
         started with; requests that start later use the new one. A refused head changes nothing."""
         t0 = time.perf_counter()
         try:
-            head, version, metrics = _unpack_head(head, version)
-            binding = make_binding(head, version, self.target, self.calibrations, metrics)
-        except (HeadRefused, GenerationError) as e:
+            binding = self.bind(head, version)
+        except GenerationError as e:
             ms = (time.perf_counter() - t0) * 1e3
             return SwapResult(False, f"refused {version or 'head'}: {e}; {self.head_version or 'plain decoding'} "
                                      "keeps serving", self.head_version, ms)
         # the verify-cost table, if still missing, is measured by the next request on the decode
         # thread: timing forwards here would run the target concurrently with a request in flight
         old, self._binding = self._binding, binding  # the flip: one reference assignment
-        self.gate = DraftGate()
         self.calibrations.save(old, self.target.fingerprint, force=True)
         ms = (time.perf_counter() - t0) * 1e3
-        what = f"head {version}" if head is not None else "plain decoding"
+        what = f"head {binding.version}" if binding.head is not None else "plain decoding"
         return SwapResult(True, f"{what} serving (calibration from {binding.calibration_source}); in-flight "
-                                f"requests finish on {old.version or 'plain decoding'}", version, ms)
+                                f"requests finish on {old.version or 'plain decoding'}", binding.version, ms)
+
+    def bind(self, head, version: str | None = None) -> HeadBinding:
+        """Validate and prepare `head` (Eagle3DraftHead, LoadedHead or None) into a binding without installing
+        it: a canary on one replica passes it to `stream(binding=...)` for its share of requests. Raises
+        GenerationError naming why a head cannot draft for this target."""
+        try:
+            head, version, metrics = _unpack_head(head, version)
+            return make_binding(head, version, self.target, self.calibrations, metrics)
+        except HeadRefused as e:
+            raise GenerationError(str(e)) from None
 
     def save_calibration(self) -> bool:
         """Persist the bound head's acceptance calibration now (also done as requests finish)."""
@@ -227,7 +234,9 @@ class SpeculativeEngine:
             raise GenerationError("prompt token id outside the target's vocabulary")
         return ids
 
-    def _check_limits(self, n_prompt: int, sampling: SamplingParams) -> None:
+    def check_request(self, n_prompt: int, sampling: SamplingParams) -> None:
+        """Raises GenerationError when a prompt of n_prompt tokens with these sampling params cannot be served
+        (the target's context, with room for the last draft tree)."""
         limit = self.target.config.max_position_embeddings
         if n_prompt >= limit:
             raise GenerationError(f"prompt has {n_prompt} tokens; the target's context is {limit}")
@@ -416,15 +425,17 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def stream(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
-               tenant: str = "default", index_output: bool = True
+               tenant: str = "default", index_output: bool = True, binding: HeadBinding | None = None
                ) -> Iterator[tuple[list[int], GenerationResult | None]]:
         """Yields (new token ids, None) per verify step, then ([], GenerationResult) once.
         index_output=False keeps this request's output out of the cross-request suffix index (a
-        request that opted out of capture must not feed other requests' drafts either)."""
+        request that opted out of capture must not feed other requests' drafts either). binding: decode
+        with this prepared head (`bind`) instead of the installed one (a canary's share of requests)."""
         sampling = sampling or SamplingParams()
         prompt_ids = self.encode(prompt)
-        self._check_limits(len(prompt_ids), sampling)
-        binding, gate = self._binding, self.gate  # this request drafts, calibrates and reports with this head
+        self.check_request(len(prompt_ids), sampling)
+        binding = binding or self._binding  # this request drafts, calibrates and reports with this head
+        gate = binding.gate
         if self._needs_costs(binding) and not self.verify_cost.points:
             self.measure_verify_cost()  # a head was installed into an engine that started without drafting
         t0 = time.perf_counter()
@@ -490,9 +501,11 @@ class SpeculativeEngine:
 
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                  capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
-                 tenant: str = "default", index_output: bool = True) -> GenerationResult:
+                 tenant: str = "default", index_output: bool = True,
+                 binding: HeadBinding | None = None) -> GenerationResult:
         result = None
-        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator, tenant, index_output):
+        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator, tenant, index_output,
+                                  binding):
             result = res or result
         return result
 

@@ -9,7 +9,7 @@ import torch
 from adaptive_eagle.binding import CalibrationStore, HeadBinding, check_head, prepare_head
 from adaptive_eagle.costmodel import AcceptCalibration
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
-from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
+from adaptive_eagle.engine import EngineConfig, GenerationError, SpeculativeEngine
 from adaptive_eagle.trace import SamplingParams
 from tests.adaptive_eagle.test_engine import DEVICE, plain_greedy, tiny_setup
 
@@ -209,3 +209,19 @@ def test_a_carried_over_calibration_keeps_its_rates_but_yields_to_live_evidence(
         d.observe_lookup(4, 0)
         cal.observe_lookup(4, 0)
     assert d.lookup(1) < 0.4 < cal.lookup(1)  # the damped one noticed within 20 steps; the raw one did not
+
+
+def test_a_prepared_binding_decodes_one_request_without_being_installed():
+    target, head = tiny_setup(seed=2)
+    engine = SpeculativeEngine(target, head, EngineConfig(**FIXED), head_version="v1")
+    engine.eos_ids = set()
+    canary = engine.bind(other_head(target, 5), "v2")
+    prompt = [3, 4, 5, 6]
+    want = plain_greedy(target, prompt, 20)
+    got = engine.generate(prompt, SamplingParams(max_tokens=20), binding=canary)
+    assert got.token_ids == want and got.head_version == "v2" and engine.head_version == "v1"
+    assert engine.generate(prompt, SamplingParams(max_tokens=20)).head_version == "v1"
+    with pytest.raises(GenerationError, match="vocab|hidden|aux"):
+        bad = other_head(target, 6)
+        bad.cfg = bad.cfg.__class__(**{**bad.cfg.__dict__, "aux_layer_ids": (1, 2, 3)})
+        engine.bind(bad, "bad")
