@@ -4,7 +4,7 @@ drive without Ray).
 Owns: building the server inside the actor's process from a zero-argument builder, and exposing it
 as async actor methods: `stream` (an async generator: the caller reads it as a Ray streaming
 generator, `actor.stream.options(num_returns="streaming").remote(request)`; router.RayReplica does),
-`swap_head`, `status`, `head_version`. Must not touch: anything but forwarding. Decoding runs on
+`swap_head`, `set_canary`, `status`, `head_version`. Must not touch: anything but forwarding. Decoding runs on
 the server's own decode thread, so the actor's event loop keeps answering `status` and
 `swap_head` while a request decodes.
 """
@@ -12,7 +12,7 @@ the server's own decode thread, so the actor's event loop keeps answering `statu
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Optional
 
 from adaptive_eagle.binding import SwapResult
 from serving.messages import DecodeRequest, Event, ServerStatus
@@ -32,6 +32,9 @@ class ServerActor:
 
     async def swap_head(self, version: str) -> SwapResult:
         return await asyncio.to_thread(self.server.swap_head, version)
+
+    async def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
+        return await asyncio.to_thread(self.server.set_canary, version, fraction)
 
     async def status(self) -> ServerStatus:
         return await asyncio.to_thread(self.server.status)

@@ -3,25 +3,32 @@
 Owns: the `Backend` protocol (prepare a request -> prompt ids; stream it -> token chunks, then one
 `BackendResult` carrying the `TraceRecord`; `swap_head(version) -> SwapResult`; `head_version`;
 `info()`), `RequestError` (a request a backend refuses, with the field at fault), and
-`ReferenceBackend` around `SpeculativeEngine` + `HeadRegistry`. Must not touch: threads, queues,
-capture and the store (server.py), HTTP (gateway.py). A backend runs one request at a time; the
-server guarantees it.
+`ReferenceBackend` around `SpeculativeEngine` + `HeadRegistry`, and its one-replica canary
+(`set_canary`). Must not touch: threads, queues, capture and the store (server.py), HTTP
+(gateway.py). A backend runs one request at a time; the server guarantees it.
 
 Hot swap goes through `engine.set_head`: a request binds its head when it starts and finishes on it,
 so a swap never disturbs the request in flight; a version that is missing or fails validation is
 refused with the reason and the old head keeps serving.
+
+Canary on one replica: `set_canary(version, fraction)` prepares the candidate with `engine.bind`
+(not installed) and decodes `fraction` of the requests with it, chosen by a stable hash of the
+request id (the same request always decodes with the same head); the trace, the response and the
+live sample report the head a request actually used. Backends that cannot hold two heads at once
+(SGLang) refuse it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator, Optional, Protocol, Union
 
 import torch
 
-from adaptive_eagle.binding import SwapResult
+from adaptive_eagle.binding import HeadBinding, SwapResult
 from adaptive_eagle.engine import GenerationError, SpeculativeEngine
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import TraceRecord
@@ -54,6 +61,26 @@ class BackendResult:
 BackendItem = Union[TokenChunk, BackendResult]
 
 
+def unit_hash(request_id: str) -> float:
+    """A stable number in [0, 1) for a request id (a canary takes the ids below its fraction)."""
+    return zlib.crc32(request_id.encode()) / 2**32
+
+
+@dataclass(frozen=True)
+class CanaryBinding:
+    """A candidate head prepared next to the installed one; it decodes `fraction` of the requests."""
+
+    version: str
+    fraction: float  # in [0, 1]
+    binding: HeadBinding
+
+    def takes(self, request_id: str) -> bool:
+        return unit_hash(request_id) < self.fraction
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "fraction": self.fraction}
+
+
 class Backend(Protocol):
     name: str  # "reference" | "sglang"
 
@@ -67,6 +94,8 @@ class Backend(Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
     def swap_head(self, version: str) -> SwapResult: ...
+
+    def set_canary(self, version: Optional[str], fraction: float) -> SwapResult: ...  # None ends it
 
     def info(self) -> dict: ...
 
@@ -93,10 +122,15 @@ class ReferenceBackend:
                  max_prompt_tokens: Optional[int] = None) -> None:
         self.engine, self.registry, self.max_prompt_tokens = engine, registry, max_prompt_tokens
         self._swap_lock = threading.Lock()  # swaps are serialised; decoding never waits for them
+        self._canary: Optional[CanaryBinding] = None  # read once per request (one reference)
 
     @property
     def head_version(self) -> str:
         return PLAIN if self.engine.head_version is None else self.engine.head_version
+
+    @property
+    def canary(self) -> Optional[CanaryBinding]:
+        return self._canary
 
     # ---- requests ------------------------------------------------------------------------------
     def prepare(self, request: DecodeRequest) -> list[int]:
@@ -116,13 +150,12 @@ class ReferenceBackend:
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
             raise RequestError(f"the prompt has {n} tokens; this server accepts at most {self.max_prompt_tokens}",
                                field, code="context_length_exceeded")
-        context = self.engine.target.config.max_position_embeddings
-        lookahead = self.engine.config.num_draft_tokens + 1  # the engine re-checks this (engine._check_limits)
-        if n + request.max_tokens + lookahead > context:
-            room = max(0, context - n - lookahead)
-            raise RequestError(f"prompt ({n} tokens) + max_tokens ({request.max_tokens}) exceeds the context "
-                               f"({context}); max_tokens may be at most {room} for this prompt",
-                               "max_tokens" if room else field, code="context_length_exceeded")
+        try:
+            self.engine.check_request(n, request.sampling())
+        except GenerationError as e:
+            prompt_fits = _fits(self.engine, n, replace(request.sampling(), max_tokens=1))
+            raise RequestError(f"{e}; lower max_tokens" if prompt_fits else str(e),
+                               "max_tokens" if prompt_fits else field, code="context_length_exceeded") from None
         return ids
 
     def _tokenize(self, text: str) -> list[int]:
@@ -138,16 +171,27 @@ class ReferenceBackend:
         if request.temperature > 0:
             generator = torch.Generator().manual_seed(request.seed if request.seed is not None
                                                       else int(time.time_ns() % (1 << 62)))
+        binding = self._binding_for(request)
         for new, result in self.engine.stream(prompt_ids, request.sampling(), list(request.stop) or None,
                                               capture=capture and request.capture, request_id=request.request_id,
                                               generator=generator, tenant=request.tenant,
-                                              index_output=request.capture):
+                                              index_output=request.capture, binding=binding):
             if new:
                 yield TokenChunk(tuple(new))
             if result is not None:
                 trace = replace(result.trace, domain=request.domain, capture_consent=request.capture)
                 yield BackendResult(tuple(result.token_ids), result.text, result.finish_reason, trace,
                                     result.elapsed_s)
+
+    def _binding_for(self, request: DecodeRequest) -> Optional[HeadBinding]:
+        """The canary's binding for its share of requests (or a request that asked for its head); None: the
+        installed head."""
+        canary = self._canary
+        if canary is None:
+            return None
+        if request.head is not None:
+            return canary.binding if request.head == canary.version else None
+        return canary.binding if canary.takes(request.request_id) else None
 
     def decode(self, token_ids: list[int]) -> str:
         tok = self.engine.target.tokenizer
@@ -156,29 +200,72 @@ class ReferenceBackend:
         return tok.decode([t for t in token_ids if t not in self.engine.eos_ids], skip_special_tokens=True)
 
     # ---- hot swap --------------------------------------------------------------------------------
+    def _load(self, version: str):
+        """The registry's `version` loaded for this target (None for plain decoding). Raises."""
+        if version == PLAIN:
+            return None
+        if self.registry is None:
+            raise RuntimeError("this server has no head registry")
+        return self.registry.load(version, self.engine.target, device=self.engine.target.device)
+
     def swap_head(self, version: str) -> SwapResult:
         """Serve `version` ("none": plain decoding) from the next request on; in-flight requests finish
-        on their head. Missing or invalid versions are refused and the old head keeps serving."""
+        on their head. Missing or invalid versions are refused and the old head keeps serving. A
+        canary of `version` ends: the installed head now is that version."""
         with self._swap_lock:
             current = self.head_version
-            if version == PLAIN:
-                return self.engine.set_head(None)
             t0 = time.perf_counter()
-            if self.registry is None:
-                return SwapResult(False, f"refused {version}: this server has no head registry; {current} keeps "
-                                         "serving", self.engine.head_version, 0.0)
             try:
-                loaded = self.registry.load(version, self.engine.target, device=self.engine.target.device)
+                loaded = self._load(version)
             except Exception as e:  # noqa: BLE001 - any refusal (missing, checksum, shape) keeps the old head
                 ms = (time.perf_counter() - t0) * 1e3
                 return SwapResult(False, f"refused {version}: {e}; {current} keeps serving", self.engine.head_version,
                                   ms)
-            res = self.engine.set_head(loaded, version)
+            res = self.engine.set_head(loaded, None if version == PLAIN else version)
+            if res.ok and self._canary is not None and self._canary.version == version:
+                self._canary = None
             return replace(res, install_ms=(time.perf_counter() - t0) * 1e3)
+
+    def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
+        """Decode `fraction` of requests (stable hash of the request id) with `version`, prepared next to
+        the installed head (`engine.bind`); None ends the canary. The same version again only changes the
+        fraction. SwapResult.version: the canary's version (None once it ended); a refusal changes nothing."""
+        if not 0.0 <= fraction <= 1.0:
+            return SwapResult(False, f"refused canary {version}: fraction must be in [0, 1], got {fraction}",
+                              self._canary.version if self._canary else None)
+        with self._swap_lock:
+            current, t0 = self._canary, time.perf_counter()
+            if version is None:
+                self._canary = None
+                what = f"canary of {current.version} ended" if current else "no canary was running"
+                return SwapResult(True, f"{what}; {self.head_version} serves every request", None)
+            if current is not None and current.version == version:
+                self._canary = replace(current, fraction=fraction)
+                return SwapResult(True, f"canary {version} now takes {fraction:.0%} of requests", version)
+            if version == self.head_version:
+                return SwapResult(False, f"refused canary {version}: it already serves every request",
+                                  current.version if current else None)
+            try:
+                binding = self.engine.bind(self._load(version), None if version == PLAIN else version)
+            except Exception as e:  # noqa: BLE001 - missing, checksum, shape: the old canary (if any) stays
+                return SwapResult(False, f"refused canary {version}: {e}", current.version if current else None,
+                                  (time.perf_counter() - t0) * 1e3)
+            self._canary = CanaryBinding(version, fraction, binding)
+            return SwapResult(True, f"canary {version} takes {fraction:.0%} of requests next to {self.head_version}",
+                              version, (time.perf_counter() - t0) * 1e3)
 
     def info(self) -> dict:
         t = self.engine.target
         return {"backend": self.name, "target": t.name, "target_fingerprint": t.fingerprint, "compute": t.compute,
                 "lossless": t.lossless, "head_version": self.head_version, "engine": asdict(self.engine.config),
                 "registry": str(self.registry.root) if self.registry is not None else None,
-                "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings}
+                "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings,
+                "canary": self._canary.to_json() if self._canary is not None else None}
+
+
+def _fits(engine: SpeculativeEngine, n_prompt: int, sampling) -> bool:
+    try:
+        engine.check_request(n_prompt, sampling)
+        return True
+    except GenerationError:
+        return False

@@ -1,9 +1,14 @@
 """GatewayFleet: the gateway's replicas as the policy sees them (the `Fleet` of policies/fleet.py).
 
 Owns: swapping every replica (all or nothing: replicas that took a version another one refused are
-swapped back), the canary (some replicas serve the candidate, the router sends them `fraction` of
-the requests), and the live per-head samples of finished requests (`RequestSample`) the gates read.
+swapped back), the canary, and the live per-head samples of finished requests (`RequestSample`) the gates read.
 Must not touch: decisions (policies/ decides what to promote), HTTP, decoding.
+
+Two kinds of canary. With 2 or more replicas, some replicas swap to the candidate and the router
+sends them `fraction` of the requests (the rest keep a replica on the champion). With one replica
+(a 2-core machine), the replica itself decodes `fraction` of its requests with the candidate
+prepared next to its champion (`set_canary` on the replica, a stable hash of the request id). Either
+way each finished request reports the head it used, so `live_samples(version)` is right for both.
 
 Threads: the async methods (`aswap`, `aset_canary`) run on the gateway's event loop (admin
 endpoints); the plain methods (`swap`, `set_canary`, ...) are for a controller on another thread and
@@ -111,17 +116,43 @@ class GatewayFleet:
     async def aswap(self, version: str) -> list[SwapResult]:
         """Every replica serves `version` ("none" = plain decoding); the canary, if any, ends."""
         async with self._swap_lock:
+            if self.in_replica_canary and self.router.canary is not None:
+                await self._end_in_replica_canary()
             results = await self._swap_slots(list(self.router.slots), version)
             if all(r.ok for r in results):
                 self.router.canary = None
             return results
 
+    @property
+    def in_replica_canary(self) -> bool:
+        """True when canaries run inside the replicas (fewer than 2 replicas)."""
+        return len(self.router.slots) < 2
+
+    async def _end_in_replica_canary(self) -> list[SwapResult]:
+        self.router.canary = None
+        return list(await asyncio.gather(*(s.replica.set_canary(None, 0.0) for s in self.router.slots)))
+
+    async def _in_replica_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
+        """Every replica keeps its champion and decodes `fraction` of its requests with `version`."""
+        if version is None:
+            return await self._end_in_replica_canary()
+        if version == self.champion:
+            raise ValueError(f"{version} is already the champion")
+        results = list(await asyncio.gather(*(s.replica.set_canary(version, fraction) for s in self.router.slots)))
+        if not all(r.ok for r in results):
+            await self._end_in_replica_canary()
+            raise ValueError("; ".join(r.message for r in results if not r.ok))
+        self.router.canary = Canary(version, fraction)  # no replica serves it whole: the router sends to all
+        return results
+
     async def aset_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
-        """Serve `version` on some replicas and route `fraction` of requests to them; None ends the
-        canary (its replicas return to the champion). Raises ValueError when it cannot be set."""
+        """Send `fraction` of requests to `version` (replica-based, or inside the one replica: see the
+        module docstring); None ends the canary. Raises ValueError when it cannot be set."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         async with self._swap_lock:
+            if self.in_replica_canary:
+                return await self._in_replica_canary(version, fraction)
             current, champion = self.router.canary, self.champion
             results: list[SwapResult] = []
             if current is not None and version == current.version:

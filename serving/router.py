@@ -27,6 +27,8 @@ class Replica(Protocol):
 
     async def swap_head(self, version: str) -> SwapResult: ...
 
+    async def set_canary(self, version: Optional[str], fraction: float) -> SwapResult: ...
+
     async def status(self) -> ServerStatus: ...
 
 
@@ -41,6 +43,9 @@ class LocalReplica:
 
     async def swap_head(self, version: str) -> SwapResult:
         return await asyncio.to_thread(self.server.swap_head, version)
+
+    async def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
+        return await asyncio.to_thread(self.server.set_canary, version, fraction)
 
     async def status(self) -> ServerStatus:
         return await asyncio.to_thread(self.server.status)
@@ -59,6 +64,9 @@ class RayReplica:
 
     async def swap_head(self, version: str) -> SwapResult:
         return await self.handle.swap_head.remote(version)
+
+    async def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
+        return await self.handle.set_canary.remote(version, fraction)
 
     async def status(self) -> ServerStatus:
         return await self.handle.status.remote()
@@ -113,11 +121,13 @@ class Router:
     # ---- leasing --------------------------------------------------------------------------------
     def _pool(self, head: Optional[str]):
         """Which replicas may serve this request (a predicate over slots)."""
+        canary = self.canary
         if head is not None:
+            if canary is not None and head == canary.version and head not in self.serving_versions():
+                return lambda s: True  # a canary inside the replicas: any replica decodes with it
             if head not in self.serving_versions():
                 raise NoReplica(f"no replica serves head {head!r}; serving: {', '.join(self.serving_versions())}")
             return lambda s: s.version == head
-        canary = self.canary
         if canary is None or canary.version not in self.serving_versions():
             return lambda s: True
         if self._rng.random() < canary.fraction:

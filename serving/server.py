@@ -4,8 +4,8 @@ Owns: running one request at a time on the replica's decode thread (`stream` on 
 thread under a lock; `astream` on a single worker thread, so an event loop stays responsive while
 the replica decodes), turning backend tokens into text deltas (stop strings cut, never half
 emitted), capture (decide after the request, `StoreWriter.put` never blocks or raises), the
-speculative metrics of each response, counters and status, and the hot-swap entry point
-`swap_head(version) -> SwapResult`. Must not touch: HTTP, routing, Ray (actor.py is the shell).
+speculative metrics of each response, counters and status, the hot-swap entry point
+`swap_head(version) -> SwapResult` and the one-replica canary `set_canary(version, fraction)`. Must not touch: HTTP, routing, Ray (actor.py is the shell).
 
 A swap runs on the caller's thread while a request decodes: the engine binds a request's head when
 it starts, so the request in flight finishes on its head and the next one uses the new head.
@@ -214,6 +214,13 @@ class DecodeServer:
         or stalls the request in flight."""
         res = self.backend.swap_head(version)
         log.info("replica %s: swap to %s: %s", self.name, version, res.message)
+        return res
+
+    def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
+        """Decode `fraction` of requests (stable hash of the request id) with `version` next to the installed
+        head, on this replica; None ends it. Refused by backends that hold one head (SGLang)."""
+        res = self.backend.set_canary(version, fraction)
+        log.info("replica %s: canary %s (%.2f): %s", self.name, version, fraction, res.message)
         return res
 
     @property

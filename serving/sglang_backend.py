@@ -203,6 +203,14 @@ class SGLangBackend:
         return SwapResult(True, f"head {version} serving on sglang (draft weights updated); watch acceptance",
                           version, ms)
 
+    def set_canary(self, version, fraction: float) -> SwapResult:
+        """Refused (ending one is a no-op): an SGLang server holds one draft model, so a canary needs a
+        second replica (the gateway's fleet then swaps some replicas instead)."""
+        if version is None:
+            return SwapResult(True, "no canary was running", None)
+        return SwapResult(False, f"refused canary {version}: an SGLang server holds one draft head; run at least "
+                                 "2 replicas for a canary", None)
+
     def info(self) -> dict:
         return {"backend": self.name, "url": self.cfg.base_url, "head_version": self._version,
                 "launch_args": self.cfg.launch_args("python")}
