@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from feature_store.config import StoreConfig
 from serving.capture import CapturePolicy
+from serving.sglang_backend import SGLangConfig
 
 
 class EngineParams(BaseModel):
@@ -48,7 +49,11 @@ class ServingConfig(BaseModel):
     registry_path: Optional[str] = Field(None, description="head registry root (None: plain decoding only)")
     initial_head: Optional[str] = Field(None, description="head version at start (None: the registry champion)")
     target: str = Field("smollm2-135m", description="built-in target name or a local model directory")
+    device: str = Field("cpu", description="where reference replicas run: 'cpu', 'auto' (CUDA when present), "
+                        "'cuda', 'cuda:1', ...")
     backend: Literal["reference", "sglang"] = Field("reference", description="decoding backend of the replicas")
+    sglang: Optional[SGLangConfig] = Field(None, description="the SGLang server of each replica (backend "
+                                           "'sglang'; replica i uses port + i)")
     engine: EngineParams = Field(default_factory=EngineParams, description="reference engine tree parameters")
     live_samples_max: int = Field(20_000, ge=1, description="per-head finished-request samples kept for the policy")
 
@@ -56,4 +61,6 @@ class ServingConfig(BaseModel):
     def _check(self) -> "ServingConfig":
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens exceeds max_tokens_limit")
+        if self.backend == "sglang" and self.sglang is None:
+            raise ValueError("backend 'sglang' needs the sglang section (model_path, draft_model_path, port, ...)")
         return self

@@ -77,9 +77,10 @@ def spec_metrics(result: BackendResult, backend: str, replica: str, captured: st
 
 class DecodeServer:
     def __init__(self, backend: Backend, capture: Optional[CapturePolicy] = None, writer=None, *,
-                 name: str = "replica-0") -> None:
-        """writer: a feature_store StoreWriter (or anything with put/stats), None = nothing stored."""
-        self.backend, self.writer, self.name = backend, writer, name
+                 name: str = "replica-0", owns_writer: bool = False) -> None:
+        """writer: a feature_store StoreWriter (or anything with put/stats), None = nothing stored;
+        owns_writer: `close` closes it too (a server built by serving.replicas)."""
+        self.backend, self.writer, self.name, self.owns_writer = backend, writer, name, owns_writer
         self.sampler = CaptureSampler(capture or CapturePolicy(enabled=False))
         self._decode_lock = threading.Lock()  # one request at a time per replica
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{name}")
@@ -244,5 +245,10 @@ class DecodeServer:
                             info=self.backend.info())
 
     def close(self) -> None:
-        """Stop the decode thread (after the request in flight). The writer belongs to the caller."""
+        """Stop the decode thread (after the request in flight), then the backend's resources; the writer
+        belongs to the caller unless the server owns it."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if (close := getattr(self.backend, "close", None)) is not None:
+            close()
+        if self.owns_writer and self.writer is not None:
+            self.writer.close()

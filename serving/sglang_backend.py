@@ -19,6 +19,7 @@ Unverified on a GPU here: the exact name of the selector field in `/update_weigh
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from typing import Iterator, Literal, Optional
@@ -47,6 +48,9 @@ class SGLangConfig(BaseModel):
     weight_selector: Literal["draft"] = Field("draft", description='always "draft": "all" corrupts the draft')
     timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one request")
     max_prompt_tokens: Optional[int] = Field(None, ge=1)
+    launch: bool = Field(False, description="start sglang.launch_server as a child of the replica (stopped when "
+                         "the replica closes); False: the server is started separately")
+    startup_timeout_s: float = Field(900.0, gt=0, description="wait this long for a launched server's /health")
 
     @property
     def base_url(self) -> str:
@@ -59,6 +63,27 @@ class SGLangConfig(BaseModel):
                 "--speculative-num-steps", str(self.num_steps), "--speculative-eagle-topk", str(self.eagle_topk),
                 "--speculative-num-draft-tokens", str(self.num_draft_tokens), "--enable-metrics",
                 *self.extra_args]
+
+
+def launch_sglang(config: SGLangConfig, client=None) -> subprocess.Popen:
+    """Start `sglang.launch_server` with `config.launch_args()` and wait until it answers /health; raises
+    RuntimeError (the process stopped) or TimeoutError, after stopping it."""
+    import httpx
+
+    proc = subprocess.Popen(config.launch_args())
+    client = client or httpx.Client(base_url=config.base_url, timeout=5.0)
+    deadline = time.monotonic() + config.startup_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sglang.launch_server exited with {proc.returncode}: {' '.join(config.launch_args())}")
+        try:
+            if client.get("/health").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2.0)
+    proc.terminate()
+    raise TimeoutError(f"sglang did not answer /health at {config.base_url} within {config.startup_timeout_s:g} s")
 
 
 def _int(meta: dict, *names: str) -> Optional[int]:
@@ -113,10 +138,11 @@ class SGLangBackend:
     name = "sglang"
 
     def __init__(self, config: SGLangConfig, tokenizer, registry=None, head_version: str = PLAIN,
-                 fingerprint: str = "", client=None) -> None:
+                 fingerprint: str = "", client=None, process: Optional[subprocess.Popen] = None) -> None:
+        """process: a server this backend launched (`launch_sglang`); `close` stops it."""
         import httpx
 
-        self.cfg, self.tokenizer, self.registry = config, tokenizer, registry
+        self.cfg, self.tokenizer, self.registry, self.process = config, tokenizer, registry, process
         self._version, self.fingerprint = head_version, fingerprint
         self.client = client or httpx.Client(base_url=config.base_url, timeout=config.timeout_s)
 
@@ -210,6 +236,15 @@ class SGLangBackend:
             return SwapResult(True, "no canary was running", None)
         return SwapResult(False, f"refused canary {version}: an SGLang server holds one draft head; run at least "
                                  "2 replicas for a canary", None)
+
+    def close(self) -> None:
+        self.client.close()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
 
     def info(self) -> dict:
         return {"backend": self.name, "url": self.cfg.base_url, "head_version": self._version,
