@@ -71,7 +71,7 @@ class StepStats:
 
     step: int  # index of this optimizer step (the schedule's argument)
     lr: float  # learning rate applied
-    loss: float  # weighted TTT loss (+ router aux loss)
+    loss: float  # weighted TTT loss (+ router aux loss, + extra_loss)
     grad_norm: float  # global gradient norm before clipping (inf/nan when the step was skipped)
     tokens: int  # real tokens in the batch (sum of lengths)
     step_loss: tuple[float, ...]  # [ttt_steps] mean CE per TTT step
@@ -99,6 +99,7 @@ def train_step(
     *,
     step: int,
     generator: torch.Generator | None = None,
+    extra_loss: Callable[[], torch.Tensor] | None = None,
 ) -> StepStats:
     """One optimizer update of `head` on `batch`: lr ← schedule(step) → TTT loss → backward → clip → step.
 
@@ -114,8 +115,9 @@ def train_step(
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16):
         out = ttt_loss(head, batch, steps=cfg.ttt_steps, decay=cfg.step_decay, max_loss_rows=cfg.max_loss_rows,
                        generator=generator)
+        loss = out.loss if extra_loss is None else out.loss + extra_loss()
     optimizer.zero_grad(set_to_none=True)
-    out.loss.backward()
+    loss.backward()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
     skipped = not math.isfinite(grad_norm)
@@ -123,7 +125,7 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    return StepStats(step=step, lr=float(optimizer.param_groups[0]["lr"]), loss=float(out.loss.detach()),
+    return StepStats(step=step, lr=float(optimizer.param_groups[0]["lr"]), loss=float(loss.detach()),
                      grad_norm=grad_norm, tokens=int(batch.lengths.sum()), step_loss=tuple(out.step_loss),
                      step_correct=tuple(out.step_correct), step_count=tuple(out.step_count), skipped=skipped)
 

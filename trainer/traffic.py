@@ -131,6 +131,7 @@ class TrafficBatch:
     tokens: int  # real tokens
     trained_positions: int  # loss-masked positions
     regenerated: int  # rows whose features came from a target forward here
+    domains: tuple[str | None, ...] = ()  # [B] each row's record domain tag (None: untagged)
 
 
 def make_traffic_batch(target: Target, head: Eagle3DraftHead, rows: Sequence[TrafficRow],
@@ -148,7 +149,8 @@ def make_traffic_batch(target: Target, head: Eagle3DraftHead, rows: Sequence[Tra
         final = final.to(device)
         batch = TTTBatch.build(ids.to(device), mask.to(device), lengths.to(device), aux.to(device),
                                lambda need: final[need] @ w_draft.T)
-    return TrafficBatch(batch, len(rows), int(lengths.sum()), int(mask.sum()), regenerated)
+    return TrafficBatch(batch, len(rows), int(lengths.sum()), int(mask.sum()), regenerated,
+                        tuple(r.domain for r in rows))
 
 
 __all__ = ["POSITIONS", "Positions", "TrafficBatch", "TrafficRow", "collate_rows", "features",

@@ -151,3 +151,22 @@ def test_recipe_projects_onto_the_step_config():
 def test_step_config_is_checked(bad):
     with pytest.raises(ValueError):
         StepConfig(**bad)
+
+
+def test_extra_loss_is_added_after_the_forward_and_trained(target):
+    """The one seam for another loss term: called once per step, after the TTT forward, added before backward."""
+    a, b = make_head(target), make_head(target)
+    batch = make_batch(target, a)
+    cfg = StepConfig(ttt_steps=2, max_loss_rows=None)
+    calls = []
+
+    def extra():
+        calls.append(1)
+        return (b.lm_head.weight ** 2).sum()
+
+    plain = train_step(a, batch, adamw(a, 1e-3), None, cfg, step=0)
+    before = b.lm_head.weight.detach().clone()
+    with_extra = train_step(b, batch, adamw(b, 1e-3), None, cfg, step=0, extra_loss=extra)
+    assert calls == [1]
+    assert with_extra.loss == pytest.approx(plain.loss + float((before ** 2).sum()), rel=1e-5)
+    assert not torch.equal(b.lm_head.weight, a.lm_head.weight)  # the extra term's gradient reached the update

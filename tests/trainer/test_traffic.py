@@ -75,3 +75,10 @@ def test_a_train_step_on_traffic_lowers_the_loss(setup):
     opt = adamw(head, 3e-3)
     losses = [train_step(head, batch, opt, None, StepConfig(max_loss_rows=None), step=i).loss for i in range(8)]
     assert losses[-1] < losses[0] * 0.9
+
+
+def test_batches_carry_one_domain_tag_per_row(setup):
+    target, head, recs = setup
+    tagged = [recs[0].__class__(**{**recs[0].__dict__, "domain": "code"}), recs[1]]
+    tb = make_traffic_batch(target, head, [row_from_record(r, head.cfg.aux_layer_ids) for r in tagged])
+    assert tb.domains == ("code", None) and len(tb.domains) == tb.batch.input_ids.shape[0]
