@@ -19,6 +19,7 @@ from adaptive_eagle.heads_cli import heads_app
 from adaptive_eagle_cli.demo import demo_app
 from feature_store.cli import store_app
 from policies.cli import policies_app
+from serving.cli import serving_app
 from trainer.cli import trainer_app
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ app.add_typer(trainer_app)
 app.add_typer(core_app)
 app.add_typer(demo_app)
 app.add_typer(policies_app)
+app.add_typer(serving_app)
 app.add_typer(store_app, name="store")
 app.add_typer(heads_app, name="heads")
 

@@ -1,0 +1,62 @@
+"""Serving's commands (a Typer sub-app mounted by adaptive_eagle_cli): `adaptive-eagle up`.
+
+Owns: reading the stack config, printing where everything is, and waiting for Ctrl-C / SIGTERM to
+stop the stack cleanly. Must not touch: starting the parts (stack.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+serving_app = typer.Typer(add_completion=False)
+
+
+@serving_app.command("up")
+def up(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="stack config (YAML); see --print-config"),
+    port: Optional[int] = typer.Option(None, help="gateway port (overrides serving.port; 0: any free port)"),
+    print_config: bool = typer.Option(False, "--print-config", help="print the default config as YAML and exit"),
+) -> None:
+    """Start the whole loop: Ray, the feature store, server replicas, the near-line trainer, the promotion
+    policy and the OpenAI-compatible gateway. Ctrl-C (or SIGTERM) stops all of it."""
+    from serving.stack_config import StackConfigError, defaults_yaml, load_stack_config
+
+    if print_config:
+        typer.echo(defaults_yaml(), nl=False)
+        return
+    try:
+        cfg = load_stack_config(config)
+        if port is not None:
+            if not 0 <= port <= 65535:
+                raise StackConfigError(f"--port: must be in [0, 65535], got {port}")
+            cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"port": port})})
+    except StackConfigError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    run_until_signal(cfg)
+
+
+def run_until_signal(cfg) -> None:
+    from serving.stack import LocalStack
+
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    stack = LocalStack(cfg, echo=typer.echo)
+    try:
+        typer.secho("adaptive-eagle up: starting (loading the target can take a minute) ...", bold=True)
+        info = stack.start()
+        for line in info.lines():
+            typer.echo("  " + line)
+        typer.secho("serving; Ctrl-C stops everything.", bold=True)
+        stop.wait()
+        typer.echo("stopping ...")
+    finally:
+        stack.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    typer.echo("stopped.")

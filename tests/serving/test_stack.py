@@ -1,0 +1,174 @@
+"""The stack `adaptive-eagle up` runs, on the tiny target: its config (one YAML, unknown keys named,
+env secrets), the load signal the trainer yields to, the candidate feed, and ONE run of the whole
+stack on Ray (a ServerActor replica, the TrainerActor, the policy on the gateway's fleet) that
+serves the openai client, captures into the store, canaries a new candidate inside the one replica,
+and shuts down cleanly."""
+
+import json
+import time
+
+import openai
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from adaptive_eagle.checkpoint import HeadMeta
+from serving.candidates import CandidateFeed, replay_samples
+from serving.load_signal import LoadPublisher, LoadSignal
+from serving.stack import LocalStack
+from serving.stack_config import StackConfigError, defaults_yaml, load_stack_config, parse_stack_config
+from tests.serving.conftest import make_target, tiny_head
+
+MODEL = "tiny-eagle"
+PROMPTS = ["w5 w9 w12 w7 w30", "w40 w41 w8", "w11 w22 w33 w44 w55 w6", "w17 w4 w60"]
+
+
+def test_the_stack_config_is_one_yaml_whose_errors_name_the_key(tmp_path, monkeypatch):
+    cfg = parse_stack_config({"state_dir": str(tmp_path), "trainer": {"lr": 1e-3}, "policy": {"min_samples": 150}})
+    assert cfg.store_config.local_root == str(tmp_path / "store") and cfg.nearline_config().lr == 1e-3
+    assert cfg.nearline_config().registry == str(tmp_path / "registry") and cfg.policy.gates().min_samples == 150
+    assert cfg.promotion_log == tmp_path / "registry" / "promotions.jsonl"
+    for bad, named in [({"servng": {}}, "servng: unknown key"), ({"trainer": {"lrr": 1}}, "trainer.lrr: unknown key"),
+                       ({"serving": {"port": 70000}}, "serving.port"), ({"trainer": {"work_dir": "x"}}, "trainer.work_dir"),
+                       ({"policy": {"canary_fraction": 0.9}}, "policy.canary_fraction"),
+                       ({"serving": {"replicas": 2}}, "serving.replicas"),
+                       ({"serving": {"registry_path": "x"}}, "serving.registry_path"),
+                       ({"policy": {"min_samples": 50}}, "policy: min_domain_samples")]:
+        with pytest.raises(StackConfigError, match=named.replace(".", r"\.")):
+            parse_stack_config(bad)
+    monkeypatch.setenv("AE_TEST_REDIS_PASSWORD", "s3cret")
+    path = tmp_path / "stack.yaml"
+    path.write_text("store:\n  backend: redis\n  redis_password: ${AE_TEST_REDIS_PASSWORD}\n")
+    assert load_stack_config(path).store.redis_password.get_secret_value() == "s3cret"
+    path.write_text("store:\n  redis_password: ${AE_TEST_UNSET_VARIABLE}\n")
+    with pytest.raises(StackConfigError, match="AE_TEST_UNSET_VARIABLE"):
+        load_stack_config(path)
+    with pytest.raises(StackConfigError, match="no such config file"):
+        load_stack_config(tmp_path / "mistyped.yaml")
+    import yaml
+
+    defaults = yaml.safe_load(defaults_yaml())
+    assert set(defaults) == {"state_dir", "ray", "serving", "store", "trainer", "policy", "registry"}
+    assert defaults["trainer"]["lr"] == 2e-4 and "canary_fraction" in defaults["policy"]
+    assert parse_stack_config(defaults).serving.port == 8000  # the printed defaults load back
+
+
+def test_up_prints_its_defaults_and_refuses_a_mistyped_config(tmp_path):
+    from adaptive_eagle_cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["up", "--print-config"])
+    assert out.exit_code == 0 and "serving:" in out.output and "yield_queue_depth" in out.output
+    bad = runner.invoke(app, ["up", "--config", str(tmp_path / "nope.yaml")])
+    assert bad.exit_code == 2 and "no such config file" in bad.output
+
+
+class FakeRouter:
+    waiting, busy = 0, 0
+
+
+def test_the_trainer_yields_while_requests_wait(tmp_path):
+    signal = LoadSignal(str(tmp_path / "load.json"), queue_depth=2, stale_s=2.0)
+    router = FakeRouter()
+    publisher = LoadPublisher(signal, router)
+    assert signal() is False  # no gateway yet: never held back
+    publisher.step()
+    assert signal() is False
+    router.waiting = 2
+    publisher.step()
+    assert signal() is True and signal.read()["waiting"] == 2
+    router.waiting, router.busy = 0, 1
+    publisher.step()
+    assert signal() is False and LoadSignal(signal.path, 2, when_busy=True)() is True
+    data = json.loads((tmp_path / "load.json").read_text())
+    (tmp_path / "load.json").write_text(json.dumps({**data, "waiting": 9, "at": time.time() - 10}))
+    assert signal() is False  # a stale signal (the gateway stopped) never holds the trainer
+    assert LoadSignal(signal.path, queue_depth=0)() is False
+
+
+def samples(n, accept, domain="chat"):
+    return [[f"r{i}", domain, accept] for i in range(n)]
+
+
+def register_candidate(registry, target, version, cand=2.0, champ=1.2, champion="v1", n=40):
+    metrics = {"replay": {"champion_version": champion,
+                          "samples": {"candidate": samples(n, cand), "champion": samples(n, champ)}}}
+    registry.register(tiny_head(target, 21), HeadMeta.new(version, target.name, target.fingerprint, metrics=metrics),
+                      dtype=torch.float32)
+
+
+def test_replay_samples_become_request_samples(stack, tmp_path):
+    from adaptive_eagle.registry import HeadRegistry
+
+    reg = HeadRegistry.create(tmp_path / "reg")
+    register_candidate(reg, stack.target, "c1", n=3)
+    champ, cand = replay_samples(reg.version("c1").metrics, "c1")
+    assert [(s.request_id, s.domain, s.accept_length, s.head_version) for s in cand] == [
+        ("r0", "chat", 2.0, "c1"), ("r1", "chat", 2.0, "c1"), ("r2", "chat", 2.0, "c1")]
+    assert {s.head_version for s in champ} == {"v1"} and replay_samples({}, "x") is None
+    feed = CandidateFeed(reg)
+    assert feed.scan() is None  # versions present at start are never considered
+    register_candidate(reg, stack.target, "c2", n=3)
+    register_candidate(reg, stack.target, "c3", n=3)
+    assert feed.scan() == "c3"  # the newest replaces an older waiting one
+
+
+def stack_config(tmp_path, seed_head):
+    return parse_stack_config({
+        "state_dir": str(tmp_path / "state"),
+        "ray": {"replica_num_cpus": 0},
+        "registry": {"seed_head": seed_head},
+        "serving": {"model_name": MODEL, "port": 0, "max_prompt_tokens": 40, "max_tokens_limit": 64,
+                    "default_max_tokens": 16, "admin_token": "t", "capture": {"fraction": 1.0, "seed": 0},
+                    "engine": {"depth": 4, "topk": 3, "num_draft_tokens": 10, "cost_aware": False,
+                               "prompt_lookup": False, "suffix_drafting": False, "calibration_dir": ""}},
+        "store": {"fsync": False},
+        "trainer": {"num_cpus": 0, "checkpoint_every_s": 2, "poll_ms": 50, "device": "cpu"},
+        "policy": {"tick_s": 0.5, "candidate_poll_s": 0.3, "min_samples": 20, "min_domain_samples": 5,
+                   "canary_fraction": 0.5, "canary_min_requests": 1000, "bootstrap_resamples": 200},
+    })
+
+
+def wait_for(predicate, timeout_s=30.0, every_s=0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(every_s)
+    return predicate()
+
+
+def test_the_stack_serves_captures_canaries_a_candidate_and_stops_cleanly(ray_session, stack, tmp_path):
+    ray = ray_session
+    cfg = stack_config(tmp_path, str(stack.registry.get("v1")))
+    local = LocalStack(cfg, target_builder=make_target)
+    try:
+        info = local.start()
+        assert info.champion == "v1" and info.trainer and info.policy and info.replicas == ["replica-0"]
+        assert "registry" in info.registry and "local Arrow segments" in info.store
+        client = openai.OpenAI(base_url=info.endpoint, api_key="x", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": PROMPTS[0]}]
+        want = stack.plain_text(msgs, 12).text
+        resp = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=12)
+        assert resp.choices[0].message.content == want and resp.adaptive_eagle["head_version"] == "v1"
+        for p in PROMPTS[1:]:
+            assert client.completions.create(model=MODEL, prompt=p, max_tokens=8).adaptive_eagle["captured"] == "hidden"
+        seen = wait_for(lambda: ray.get(local.trainer.status.remote())["records_seen"] >= 4)
+        assert seen, ray.get(local.trainer.status.remote())  # the trainer actor reads what the replica captured
+        assert local.signal.read() is not None  # the gateway publishes its load for the trainer
+
+        register_candidate(local.registry, stack.target, "c1")  # as the trainer would, with replay evidence
+        assert wait_for(lambda: local.feed.considered, 20)[0][0] == "c1"
+        assert wait_for(lambda: local.app.state.gateway.router.canary is not None, 20)
+        heads = {client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
+                                                temperature=0, max_tokens=4).adaptive_eagle["head_version"]
+                 for p in PROMPTS * 3}
+        assert heads == {"v1", "c1"}  # one replica, the candidate decodes its share of requests
+        log = [json.loads(line) for line in open(info.promotion_log)]
+        assert [e["event"] for e in log if e.get("candidate") == "c1"][:2] == ["considered", "canary_started"]
+    finally:
+        local.stop()
+    assert local.trainer is None and local.replicas == [] and not (cfg.state_path / "load.json").exists()
+    assert all(not t.is_alive() for t in local._threads)
+    with pytest.raises(openai.APIConnectionError):
+        openai.OpenAI(base_url=info.endpoint, api_key="x", max_retries=0, timeout=5).models.list()
