@@ -172,7 +172,8 @@ class LocalStack:
         from serving.replicas import build_replicas
 
         c = self.config
-        options = {"num_cpus": c.ray.replica_num_cpus, "num_gpus": c.ray.replica_num_gpus}
+        options = {"num_cpus": c.ray.replica_num_cpus, "num_gpus": c.ray.replica_num_gpus,
+                   **({"resources": dict(c.ray.replica_resources)} if c.ray.replica_resources else {})}
         self.replicas = build_replicas(self.serving, ray_actors=c.ray.replicas_as_actors,
                                        target_builder=self.target_builder, actor_options=options)
 
@@ -203,7 +204,8 @@ class LocalStack:
         import ray
 
         actor = ray.remote(trainer_actor_class()).options(
-            max_restarts=c.trainer.max_restarts, num_cpus=c.trainer.num_cpus, num_gpus=c.trainer.num_gpus)
+            max_restarts=c.trainer.max_restarts, num_cpus=c.trainer.num_cpus, num_gpus=c.trainer.num_gpus,
+            **({"resources": dict(c.trainer.resources)} if c.trainer.resources else {}))
         self.trainer = actor.remote(c.nearline_config().model_dump_json(), self.target_builder, self.signal)
 
     def _policy(self) -> None:

@@ -47,6 +47,8 @@ class RaySection(_Section):
     dashboard: bool = Field(True, description="start the Ray dashboard when ray[default] is installed")
     replica_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per server replica actor")
     replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per server replica actor (SGLang: 1)")
+    replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per "
+                                                "replica actor (place replicas on node types that advertise them)")
     replicas_as_actors: bool = Field(True, description="False: replicas run inside the gateway's process")
 
 
@@ -104,6 +106,8 @@ class TrainerSection(_Wrapping):
     enabled: bool = Field(True, description="run the near-line trainer")
     num_cpus: float = Field(1.0, ge=0, description="CPUs reserved for the trainer actor")
     num_gpus: float = Field(0.0, ge=0, description="GPUs for the trainer actor")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of the trainer "
+                                        "actor (e.g. {ae_head: 1} keeps it on the head node, next to the gateway)")
     max_restarts: int = Field(5, ge=0, le=1000, description="Ray restarts the trainer this often after a crash")
     yield_queue_depth: int = Field(1, ge=0, description="the trainer pauses while this many requests wait for a "
                                    "replica (0: never pauses)")
