@@ -1,0 +1,214 @@
+"""Serving benchmark: throughput and P50/P95 time per output token (TPOT) through the gateway at 1, 4
+and 16 concurrent clients (the official openai client, one thread per client), capture off next to
+capture at 100% into a local store, in one run on the same target.
+
+Baseline vs subject: the same replica setup twice — capture disabled, and every request captured
+with its aux hidden states (`CapturePolicy(fraction=1)`, no byte budget limit) into a local Arrow
+store — run one after the other at each concurrency level. One replica (the machine's cores are
+shared by everything; `--replicas` for more). TPOT is measured at the client (wall time of the
+request, queueing included, per output token) and at the server (decode time per token, the
+response's `adaptive_eagle.tpot_s`). Greedy requests, `--max-tokens` each.
+
+Targets: `smollm2` (default: the real SmolLM2-135M-Instruct from `load_target()`, the shipped head)
+or `tiny` (a random tiny Llama with a word-level tokenizer and a random head: a smoke run).
+`--quick`: fewer requests and shorter outputs.
+Final line: one JSON object with `capture_tpot_overhead_pct` (client P50 TPOT at concurrency 1,
+capture on vs off), `failed_requests`, and every row's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ENGLISH = ["Give me three tips for writing clear emails.", "Explain what a hash table is to a beginner.",
+           "Write a short poem about the sea.", "How do I make a cup of green tea?",
+           "What are the benefits of regular exercise?", "Summarise the plot of Romeo and Juliet.",
+           "Write a Python function that reverses a string.", "Why is the sky blue?",
+           "List five fruits that are rich in vitamin C.", "How does a bicycle stay upright?",
+           "Describe a good morning routine.", "What is the difference between weather and climate?"]
+TINY = ["w5 w9 w12 w7 w30", "w40 w41 w8", "w11 w22 w33 w44 w55 w6", "w17 w4 w60", "w20 w21 w22 w23",
+        "w50 w9 w31 w14"]
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+# ---- setups ----------------------------------------------------------------------------------------
+def tiny_setup(tmp: Path):
+    """A tiny random target with a word tokenizer and a registry holding one random head."""
+    import torch
+    from dataclasses import replace
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from adaptive_eagle.checkpoint import HeadMeta
+    from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
+    from adaptive_eagle.registry import HeadRegistry
+    from adaptive_eagle.targets import tiny_target
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 64)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    target = replace(tiny_target(seed=3, vocab_size=64, num_layers=6, initializer_range=0.15,
+                                 max_position_embeddings=512), tokenizer=fast)
+    registry = HeadRegistry.create(tmp / "registry")
+    cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.aux_layer_ids)
+    torch.manual_seed(11)
+    head = Eagle3DraftHead(cfg)
+    init_weights(head, std=0.1)
+    head.embed_tokens.weight.data.copy_(target.input_embeddings())
+    registry.register(head, HeadMeta.new("tiny-v1", target.name, target.fingerprint), dtype=torch.float32)
+    engine = {"cost_aware": False, "prompt_lookup": False, "suffix_drafting": False, "calibration_dir": ""}
+    return target, registry, "tiny-v1", TINY, engine
+
+
+def smollm2_setup(tmp: Path):
+    from adaptive_eagle.cli import SHIPPED_HEAD
+    from adaptive_eagle.registry import HeadRegistry
+    from adaptive_eagle.targets import load_target
+
+    target = load_target()
+    registry = HeadRegistry.create(tmp / "registry")
+    version = registry.add(SHIPPED_HEAD)
+    return target, registry, version, ENGLISH, {}
+
+
+def start_gateway(target, registry, version, engine: dict, capture: bool, store_root: Path | None, replicas: int):
+    from feature_store.config import StoreConfig
+    from serving.capture import CapturePolicy
+    from serving.config import EngineParams, ServingConfig
+    from serving.gateway import GatewayThread, create_app
+    from serving.replicas import build_replicas
+
+    policy = CapturePolicy(enabled=capture, fraction=1.0, budget_bytes_per_s=1e12, seed=0)
+    store = StoreConfig(backend="local", local_root=str(store_root)) if capture else None
+    config = ServingConfig(model_name="bench", port=0, replicas=replicas, queue_size=256, max_prompt_tokens=1024,
+                           max_tokens_limit=1024, default_max_tokens=64, registry_path=str(registry.root),
+                           initial_head=version, capture=policy, store=store, engine=EngineParams(**engine))
+    servers = build_replicas(config, target_builder=lambda: target)
+    thread = GatewayThread(create_app(config, servers))
+    return thread, thread.start(), servers
+
+
+# ---- load ------------------------------------------------------------------------------------------
+def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    import openai
+
+    lock, rows, failures = threading.Lock(), [], []
+
+    def client(k: int) -> None:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+        for i in range(per_client):
+            prompt = prompts[(k * per_client + i) % len(prompts)]
+            t0 = time.perf_counter()
+            try:
+                r = c.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompt}],
+                                              temperature=0, max_tokens=max_tokens)
+            except Exception as e:  # noqa: BLE001 - counted, the run goes on
+                with lock:
+                    failures.append(f"{type(e).__name__}: {e}")
+                continue
+            wall, n = time.perf_counter() - t0, r.usage.completion_tokens
+            with lock:
+                rows.append((wall, n, r.adaptive_eagle))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - t0
+    tokens = sum(n for _, n, _ in rows)
+    client_tpot = [w / n for w, n, _ in rows if n]
+    server_tpot = [ae["tpot_s"] for _, n, ae in rows if n]
+    return {"requests": len(rows), "failed": len(failures), "tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+            "client_tpot_p50_ms": round(1e3 * pct(client_tpot, 0.5), 2),
+            "client_tpot_p95_ms": round(1e3 * pct(client_tpot, 0.95), 2),
+            "server_tpot_p50_ms": round(1e3 * pct(server_tpot, 0.5), 2),
+            "server_tpot_p95_ms": round(1e3 * pct(server_tpot, 0.95), 2),
+            "accept_length": round(statistics.fmean(ae["accept_length"] for _, _, ae in rows), 3) if rows else None,
+            "captured": sorted({ae["captured"] for _, _, ae in rows}), "errors": failures[:3]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2")
+    ap.add_argument("--quick", action="store_true", help="fewer requests, shorter outputs")
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    ap.add_argument("--requests", type=int, default=None, help="requests per level (default 8 quick, 32 full)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32 / 128)")
+    ap.add_argument("--replicas", type=int, default=1)
+    args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    per_level = args.requests or (8 if args.quick else 32)
+    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    target, registry, version, prompts, engine = (tiny_setup if args.target == "tiny" else smollm2_setup)(tmp)
+    gateways = {mode: start_gateway(target, registry, version, engine, mode == "capture", tmp / "store", args.replicas)
+                for mode in ("off", "capture")}
+    results = []
+    try:
+        for mode, (_, url, _) in gateways.items():  # warm-up: cost model, caches
+            run_level(url, prompts, 1, 2, max_tokens)
+        for clients in levels:
+            per_client = max(1, per_level // clients)
+            for mode, (_, url, _) in gateways.items():
+                row = run_level(url, prompts, clients, per_client, max_tokens)
+                results.append({"capture": mode, "clients": clients, **row})
+                print(f"  {mode:8s} c={clients:<3d} {row['requests']:3d} req  {row['tokens_per_s']:8.1f} tok/s  "
+                      f"client TPOT P50 {row['client_tpot_p50_ms']:7.2f} P95 {row['client_tpot_p95_ms']:7.2f} ms  "
+                      f"server P50 {row['server_tpot_p50_ms']:7.2f} ms  failed {row['failed']}", flush=True)
+        stored = gateways["capture"][2][0].status().store or {}
+    finally:
+        for thread, _, servers in gateways.values():
+            thread.stop()
+            for s in servers:
+                s.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(results, levels, args, stored)
+
+
+def report(results: list[dict], levels: list[int], args, stored: dict) -> None:
+    by = {(r["capture"], r["clients"]): r for r in results}
+    overhead = {}
+    print(f"\nserving benchmark ({args.target}, {'quick' if args.quick else 'full'}): capture off vs 100% "
+          "(local store)")
+    print(f"{'clients':>7} | {'tok/s off':>9} {'tok/s cap':>9} | {'P50 off':>8} {'P50 cap':>8} {'P95 off':>8} "
+          f"{'P95 cap':>8} (client TPOT, ms) | {'overhead':>8}")
+    for c in levels:
+        off, on = by[("off", c)], by[("capture", c)]
+        overhead[c] = round(100 * (on["client_tpot_p50_ms"] / off["client_tpot_p50_ms"] - 1), 2)
+        print(f"{c:>7} | {off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} | {off['client_tpot_p50_ms']:>8.2f} "
+              f"{on['client_tpot_p50_ms']:>8.2f} {off['client_tpot_p95_ms']:>8.2f} {on['client_tpot_p95_ms']:>8.2f}"
+              f"                   | {overhead[c]:>7.2f}%")
+    failed = sum(r["failed"] for r in results)
+    print(f"store: {stored.get('written', 0)} records written, {stored.get('dropped', 0)} dropped; "
+          f"failed requests: {failed}")
+    print(json.dumps({"capture_tpot_overhead_pct": overhead.get(1, overhead[levels[0]]), "failed_requests": failed,
+                      "target": args.target, "quick": args.quick,
+                      "overhead_pct_by_clients": {str(c): v for c, v in overhead.items()},
+                      "store_written": stored.get("written", 0), "store_dropped": stored.get("dropped", 0),
+                      "rows": [{k: v for k, v in r.items() if k != "errors"} for r in results]}))
+
+
+if __name__ == "__main__":
+    main()
