@@ -22,7 +22,7 @@ def up(
     port: Optional[int] = typer.Option(None, help="gateway port (overrides serving.port; 0: any free port)"),
     print_config: bool = typer.Option(False, "--print-config", help="print the default config as YAML and exit"),
 ) -> None:
-    """Start the whole loop: Ray, the feature store, server replicas, the near-line trainer, the promotion
+    """Start the whole loop: Ray, the feature store, server replicas, near-line training, the promotion
     policy and the OpenAI-compatible gateway. Ctrl-C (or SIGTERM) stops all of it."""
     from serving.stack_config import StackConfigError, defaults_yaml, load_stack_config
 
