@@ -69,6 +69,14 @@ class NearlineConfig(BaseModel):
     drift_sustain: int = Field(10, ge=1, description="consecutive low records before a domain is flagged")
     drift_boost: float = Field(2.0, ge=1, description="batch weight of a flagged domain")
 
+    # MoE growth (trainer/moe.py)
+    moe_grow: bool = Field(False, description="grow an expert for a domain whose acceptance stays low (the head "
+                           "becomes MoE-routed: the reference engine serves it, SGLang and vLLM cannot)")
+    moe_max_experts: int = Field(4, ge=2, le=64, description="never grow a head beyond this many experts")
+    moe_grow_after_records: int = Field(200, ge=1, description="consecutive records a domain must stay low "
+                                        "(flagged by the drift monitor, or below the overall replayed accept "
+                                        "length) before it gets an expert")
+
     # loop
     checkpoint_every_s: float = Field(30.0, gt=0, description="checkpoint (then ack the records used) this often")
     champion_check_s: float = Field(5.0, gt=0, description="look for a champion change this often")

@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -41,6 +42,7 @@ from feature_store.schema import decode_record, encode_record
 from trainer.buffer import ReplayBuffer, replay_rows
 from trainer.config import NearlineConfig
 from trainer.drift import DriftMonitor
+from trainer.moe import MoEGrowth, candidate_meta
 from trainer.replay import ReplayScore, replay_heads
 from trainer.state import read_state, restore_optimizer, write_state
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
@@ -76,6 +78,7 @@ class TrainerStatus:
     regenerated_rows: int  # rows whose features came from a target forward here
     drift: dict
     state: str  # "starting" | "waiting" | "training" | "evaluating" | "stopped" | "error: ..."
+    moe: dict | None = None  # MoE growth: domain -> expert, experts grown, low counts (None: moe_grow off)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -96,6 +99,7 @@ class NearlineTrainer:
         self.buffer: ReplayBuffer[bytes] = ReplayBuffer(cfg.replay_per_domain, cfg.replay_max_bytes, cfg.seed)
         self.drift = DriftMonitor(cfg.drift_alpha, cfg.drift_drop, cfg.drift_min_records, cfg.drift_sustain,
                                   cfg.drift_boost)
+        self.moe = MoEGrowth(cfg.moe_max_experts, cfg.moe_grow_after_records) if cfg.moe_grow else None
         self.heldout: dict[str, deque[TraceRecord]] = {}
         self.fresh: deque[tuple[str, TraceRecord]] = deque()
         self.held_ids: set[str] = set()  # delivered to us and not acked yet
@@ -156,6 +160,8 @@ class NearlineTrainer:
         self._tokens_at_candidate = 0
         self._last_candidate_t = time.monotonic()
         self.drift.reset(None if champion == PLAIN else champion)
+        if self.moe is not None:  # the champion's domain -> expert map (head.json training.moe)
+            self.moe.reset(self.registry.version(champion).training if champion != PLAIN else {})
         self._note(f"training from champion {champion}" + (" (base head " + self.cfg.base_head + ")"
                                                               if champion == PLAIN and self.cfg.base_head else ""))
 
@@ -217,6 +223,8 @@ class NearlineTrainer:
             event = self.drift.observe(rec.domain, rec.accept_length_mean, rec.head_version)
             if event is not None:
                 self._note(event.describe())
+            if self.moe is not None:
+                self.moe.observe(rec, self.drift)
         if is_heldout(rec.request_id, self.cfg.heldout_percent):
             pool = self.heldout.setdefault(rec.domain or "", deque(maxlen=self.cfg.heldout_per_domain))
             pool.append(rec)
@@ -275,9 +283,14 @@ class NearlineTrainer:
             replayed = self._replay_only()
         rows = [self._row(r) for _, r in fresh] + [self._row(r) for r in replayed]
         self.state = "training"
+        if self.moe is not None and (grown := self.moe.grow(self.head, self.target)) is not None:
+            self._set_head(grown.head.float().train())  # a new optimizer over the grown head's parameters
+            self._note(grown.describe())
         tb = make_traffic_batch(self.target, self.head, rows, self.device)
         step = self.counters["steps"]
-        stats = train_step(self.head, tb.batch, self.opt, self._schedule(), self._step_config(), step=step)
+        with self.moe.supervise(self.head, tb) if self.moe is not None else nullcontext() as extra:
+            stats = train_step(self.head, tb.batch, self.opt, self._schedule(), self._step_config(), step=step,
+                               extra_loss=extra)
         self.counters["steps"] += 1
         self.counters["tokens_trained"] += tb.tokens
         self.counters["regenerated_rows"] += tb.regenerated
@@ -349,7 +362,8 @@ class NearlineTrainer:
             with staging_dir(self.work_dir / STATE, overwrite=True) as d:
                 meta = {"base": self.base, "counters": self.counters, "buffer_seen": self.buffer.seen(),
                         "tokens_at_candidate": self._tokens_at_candidate, "saved_at": time.time(),
-                        "seen_requests": list(self.seen_requests)}
+                        "seen_requests": list(self.seen_requests),
+                        "moe": self.moe.state() if self.moe is not None else None}
                 write_state(d, self.head, self.opt, meta)
                 self._write_pool(d / "pool.arrow")
         if self.done_ids:
@@ -386,6 +400,8 @@ class NearlineTrainer:
         restore_optimizer(self.opt, opt_tensors, meta)
         self.counters = meta["counters"]
         self._tokens_at_candidate = meta.get("tokens_at_candidate", 0)
+        if self.moe is not None:
+            self.moe.restore(meta.get("moe"))
         for rid in meta.get("seen_requests", []):
             self._remember(rid)
         table = pa.ipc.open_file(pa.memory_map(str(d / "pool.arrow"))).read_all().to_pylist()
@@ -424,14 +440,18 @@ class NearlineTrainer:
         cand = copy.deepcopy(self.head).to(torch.bfloat16).float().eval()  # exactly what the registry stores
         score, champ, skipped = self.evaluate(cand)
         name = self._candidate_name()
+        moe_training, moe_metrics = candidate_meta(cand, self.target, self.heldout_records(), self.moe)
+        if self.moe is not None:
+            self.moe.note_replay(score.summary())
         meta = HeadMeta.new(name, self.target.name, self.target.fingerprint,
                             parent=None if self.base == PLAIN else self.base,
                             data={"source": "captured traffic", "window": self.counters["window"],
                                   "records_trained": self.counters["records_trained"]},
                             training={"trainer": "nearline", "steps": self.counters["steps"],
                                       "tokens": self.counters["tokens_trained"], "lr": self.cfg.lr,
-                                      "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio},
-                            metrics={"replay": self._replay_metrics(score, champ, skipped)})
+                                      "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio,
+                                      **moe_training},
+                            metrics={"replay": self._replay_metrics(score, champ, skipped), **moe_metrics})
         self.registry.register(cand, meta)
         self.counters["candidates"].append(name)
         self._tokens_at_candidate = self.counters["tokens_trained"]
@@ -505,7 +525,8 @@ class NearlineTrainer:
             loss=self.loss, last_candidate=c["candidates"][-1] if c["candidates"] else None,
             candidates=len(c["candidates"]), heldout={d or "untagged": len(p) for d, p in self.heldout.items()},
             buffer=self.buffer.domains(), skipped=dict(c["skipped"]), duplicates=c["duplicates"],
-            regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state)
+            regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state,
+            moe=self.moe.status() if self.moe is not None else None)
 
     def close(self) -> None:
         self.reader.close()

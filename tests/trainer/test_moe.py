@@ -164,3 +164,51 @@ def test_growth_state_follows_low_domains_and_round_trips():
     assert g.replay_low == {"code"} and g.domains == {}
     g.reset({"moe": {"domains": {"code": 1}, "grown": [{"domain": "code"}]}})
     assert g.domains == {"code": 1} and g.replay_low == set() and len(g.grown) == 1
+
+
+def test_nearline_trainer_grows_one_expert_for_a_domain_that_stays_low(tmp_path):
+    from adaptive_eagle.trace import TraceRecord, VerifyStep
+    from feature_store.config import StoreConfig
+    from feature_store.writer import StoreWriter
+    from trainer.config import NearlineConfig
+    from trainer.nearline import NearlineTrainer
+
+    target, head = tiny_setup(seed=11, dtype=torch.float32)
+    reg = HeadRegistry.create(tmp_path / "registry")
+    reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
+    reg.set_champion("v1", expect="none")
+    store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False, claim_idle_ms=3_600_000)
+    writer = StoreWriter(store)
+    g = torch.Generator().manual_seed(0)
+    for i in range(16):  # tokens-only records (features regenerated); code served at accept length 1.0, english 4.0
+        code = bool(i % 2)
+        ids = (torch.randint(0, 8, (16,), generator=g) if code else torch.randint(16, 32, (16,), generator=g)).tolist()
+        steps = tuple(VerifyStep(tree_size=4, accept_length=0 if code else 3, accepted_depth=0 if code else 3)
+                      for _ in range(5))
+        writer.put(TraceRecord(f"r{i}", target.fingerprint, "v1", "reference", tuple(ids), (0,) * 6 + (1,) * 10,
+                               steps, domain="code" if code else "english"))
+    writer.flush()
+    writer.close()
+    cfg = NearlineConfig(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store,
+                         batch_tokens=256, min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0,
+                         heldout_percent=20, candidate_every_tokens=400, min_candidate_tokens=100, tree_depth=3,
+                         tree_topk=2, tree_draft_tokens=6, drift_min_records=2, drift_sustain=2,
+                         moe_grow=True, moe_max_experts=3, moe_grow_after_records=3)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    assert tr.status().moe["low"]["code"] >= 3 and "english" not in tr.status().moe["low"]
+    while tr.fresh:
+        assert tr.train_once(force=True) is not None
+    assert tr.head.cfg.num_experts == 2 and tr.status().moe["domains"] == {"code": 1}  # grown once, not again
+    assert tr.status().moe["grown"] == 1 and sum("grew expert 1 for domain code" in e for e in tr.events) == 1
+    name = tr.write_candidate()
+    v = tr.registry.version(name)
+    assert v.training["moe"]["domains"] == {"code": 1} and v.metrics["serving"]["sglang"] is False
+    assert sum(v.metrics["moe"]["load"]) == pytest.approx(1.0, abs=1e-5)
+    tr.checkpoint()
+    tr.close()
+    resumed = NearlineTrainer(cfg, target=target)
+    resumed.start()
+    assert resumed.head.cfg.num_experts == 2 and resumed.moe.domains == {"code": 1}
+    resumed.close()
