@@ -65,18 +65,6 @@ def store_label(store) -> str:
     return f"redis {url}" + (" (TLS)" if store.tls or store.redis_url.startswith("rediss://") else "")
 
 
-def trainer_actor_class():
-    """TrainerActor with a `yield_to` hook (trainer.actor.TrainerActor takes none yet)."""
-    from trainer.actor import TrainerActor
-
-    class YieldingTrainerActor(TrainerActor):
-        def __init__(self, config_json: str, target_builder, yield_to: Callable[[], bool]) -> None:
-            super().__init__(config_json, target_builder)
-            self.trainer.yield_to = yield_to  # read before each step; the loop may have started already
-
-    return YieldingTrainerActor
-
-
 class LocalStack:
     def __init__(self, config: StackConfig, *, target_builder: Optional[Callable[[], object]] = None,
                  echo: Callable[[str], None] = log.info) -> None:
@@ -201,12 +189,12 @@ class LocalStack:
         c = self.config
         if not c.trainer.enabled:
             return
-        import ray
+        from trainer.actor import remote_trainer_actor
 
-        actor = ray.remote(trainer_actor_class()).options(
-            max_restarts=c.trainer.max_restarts, num_cpus=c.trainer.num_cpus, num_gpus=c.trainer.num_gpus,
+        self.trainer = remote_trainer_actor(
+            c.nearline_config(), self.target_builder, max_restarts=c.trainer.max_restarts, yield_to=self.signal,
+            num_cpus=c.trainer.num_cpus, num_gpus=c.trainer.num_gpus,
             **({"resources": dict(c.trainer.resources)} if c.trainer.resources else {}))
-        self.trainer = actor.remote(c.nearline_config().model_dump_json(), self.target_builder, self.signal)
 
     def _policy(self) -> None:
         from policies.actor import PolicyActor
@@ -292,4 +280,4 @@ class LocalStack:
             self.ray_owned = False
 
 
-__all__ = ["LocalStack", "StackInfo", "store_label", "trainer_actor_class"]
+__all__ = ["LocalStack", "StackInfo", "store_label"]

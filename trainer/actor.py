@@ -19,12 +19,15 @@ from trainer.nearline import NearlineTrainer
 
 
 class TrainerActor:
-    """Use as `ray.remote(TrainerActor).options(max_restarts=...).remote(config_json, target_builder)`.
-    target_builder: None loads the configured (or the champion's) target in the actor's process."""
+    """Use as `ray.remote(TrainerActor).options(max_restarts=...).remote(config_json, target_builder, yield_to)`.
+    target_builder: None loads the configured (or the champion's) target in the actor's process.
+    yield_to: called before each step; True makes the trainer wait (requests queue on shared cores)."""
 
-    def __init__(self, config_json: str, target_builder: Callable[[], Target] | None = None) -> None:
+    def __init__(self, config_json: str, target_builder: Callable[[], Target] | None = None,
+                 yield_to: Callable[[], bool] | None = None) -> None:
         cfg = NearlineConfig.model_validate_json(config_json)
-        self.trainer = NearlineTrainer(cfg, target=target_builder() if target_builder is not None else None)
+        self.trainer = NearlineTrainer(cfg, target=target_builder() if target_builder is not None else None,
+                                       yield_to=yield_to)
         self._stop = threading.Event()
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="nearline-trainer", daemon=True)
@@ -52,12 +55,12 @@ class TrainerActor:
 
 
 def remote_trainer_actor(cfg: NearlineConfig, target_builder: Callable[[], Target] | None = None,
-                         max_restarts: int = 5, **options):
+                         max_restarts: int = 5, yield_to: Callable[[], bool] | None = None, **options):
     """Start a TrainerActor (`options`: Ray actor options such as num_cpus, num_gpus) and return its handle."""
     import ray
 
     return ray.remote(TrainerActor).options(max_restarts=max_restarts, **options).remote(
-        cfg.model_dump_json(), target_builder)
+        cfg.model_dump_json(), target_builder, yield_to)
 
 
 __all__ = ["TrainerActor", "remote_trainer_actor"]
