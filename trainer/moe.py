@@ -41,8 +41,8 @@ import contextlib
 import dataclasses
 import math
 from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -294,22 +294,23 @@ def domains_of(training: Mapping) -> dict[str, int]:
 
 
 def _domain_batch(head: Eagle3DraftHead, target: Target, records: Sequence[TraceRecord],
-                  max_len: int = MEASURE_MAX_LEN) -> TrafficBatch:
+                  max_len: int = MEASURE_MAX_LEN) -> TrafficBatch | None:
+    """A batch of the records (features regenerated where not captured); None when none is usable."""
     rows = [row_from_record(r, head.cfg.aux_layer_ids, "all", max_len) for r in records if len(r.input_ids) >= 4]
-    return make_traffic_batch(target, head, rows)
+    return make_traffic_batch(target, head, rows) if rows else None
 
 
 def candidate_meta(head: Eagle3DraftHead, target: Target, records: Sequence[TraceRecord],
-                   growth: "MoEGrowth | None") -> tuple[dict, dict]:
+                   growth: MoEGrowth | None) -> tuple[dict, dict]:
     """(training, metrics) additions to a candidate's head.json: {} for a dense head; for a MoE head
     training.moe, metrics.moe (routing_stats on up to STATS_RECORDS of `records`) and metrics.serving."""
     if not is_moe(head):
         return {}, {}
     domains, grown = (growth.domains, growth.grown) if growth is not None else ({}, [])
     metrics: dict = {"serving": serving_meta(head)}
-    usable = [r for r in records if len(r.input_ids) >= 4][-STATS_RECORDS:]
-    if usable:
-        metrics["moe"] = routing_stats(head, _domain_batch(head, target, usable))
+    tb = _domain_batch(head, target, [r for r in records if len(r.input_ids) >= 4][-STATS_RECORDS:])
+    if tb is not None:
+        metrics["moe"] = routing_stats(head, tb)
     return {"moe": moe_training_meta(head, domains, grown)}, metrics
 
 
@@ -347,8 +348,8 @@ class MoEGrowth:
                            if d != "untagged" and s["accept_length"] < overall}
 
     def due(self, head: Eagle3DraftHead) -> str | None:
-        if head.cfg.num_experts >= self.max_experts:
-            return None
+        if head.cfg.num_experts >= self.max_experts or (is_moe(head) and head.cfg.num_experts_per_tok != 1):
+            return None  # full, or a top-k > 1 head (growth could not preserve its outputs)
         ready = [d for d, n in self.low.items() if n >= self.grow_after_records and d not in self.domains]
         return max(ready, key=lambda d: (self.low[d], d)) if ready else None
 
@@ -357,16 +358,22 @@ class MoEGrowth:
         domain = self.due(head)
         if domain is None:
             return None
-        source = None
-        if is_moe(head):
-            stats = routing_stats(head, _domain_batch(head, target, list(self.recent.get(domain, ()))))
-            source = dominant_expert(stats, domain) if stats["domains"].get(domain, {}).get("tokens") else 0
-        grown = grow_expert(head, domain, self.domains, source)
+        grown = grow_expert(head, domain, self.domains, self._source_expert(head, target, domain))
         self.domains = dict(grown.domains)
         self.grown.append({"domain": domain, "expert": grown.expert, "source_expert": grown.source_expert,
                            "low_records": self.low.get(domain, 0)})
         self.low[domain] = 0
         return grown
+
+    def _source_expert(self, head: Eagle3DraftHead, target: Target, domain: str) -> int | None:
+        """The expert the domain's recent rows mostly use (None for a dense head; 0 with no rows to measure)."""
+        if not is_moe(head):
+            return None
+        tb = _domain_batch(head, target, list(self.recent.get(domain, ())))
+        if tb is None:
+            return 0
+        stats = routing_stats(head, tb)
+        return dominant_expert(stats, domain) if stats["domains"].get(domain, {}).get("tokens") else 0
 
     def supervise(self, head: Eagle3DraftHead, tb: TrafficBatch):
         """routing_supervision for one step on `tb` (a context manager yielding the extra_loss or None)."""
@@ -392,6 +399,22 @@ class MoEGrowth:
                 "low": {d: n for d, n in sorted(self.low.items()) if n}}
 
 
-__all__ = ["GrownHead", "MoEGrowth", "ROUTING_WEIGHT", "SGLANG_REFUSAL", "candidate_meta", "captured_mlp_input",
-           "domains_of", "dominant_expert", "grow_expert", "is_moe", "mlp_inputs", "moe_training_meta",
-           "real_positions", "routing_loss", "routing_stats", "routing_supervision", "serving_meta"]
+__all__ = [
+    "ROUTING_WEIGHT",
+    "SGLANG_REFUSAL",
+    "GrownHead",
+    "MoEGrowth",
+    "candidate_meta",
+    "captured_mlp_input",
+    "domains_of",
+    "dominant_expert",
+    "grow_expert",
+    "is_moe",
+    "mlp_inputs",
+    "moe_training_meta",
+    "real_positions",
+    "routing_loss",
+    "routing_stats",
+    "routing_supervision",
+    "serving_meta",
+]

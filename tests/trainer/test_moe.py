@@ -155,6 +155,29 @@ def test_a_moe_head_round_trips_through_the_registry_and_says_sglang_cannot_load
     assert not (tmp_path / "spec").exists()
 
 
+def test_growth_from_a_moe_head_copies_the_expert_the_domain_uses(tiny32):
+    from collections import deque
+
+    from adaptive_eagle.trace import TraceRecord
+    from trainer.moe import mlp_inputs, real_positions
+
+    target, dense = tiny32
+    head = grow_expert(dense, "code").head
+    tb = domain_batch(target, head, seed=3)  # odd rows: tokens 0..7, even rows: 16..31
+    x, real = mlp_inputs(head, tb.batch), real_positions(tb.batch)
+    low_tokens = torch.tensor([d == "code" for d in tb.domains])[:, None] & real
+    with torch.no_grad():  # expert 1 takes the rows of tokens 0..7, expert 0 the rest
+        head.midlayer.mlp.router.weight.zero_()
+        head.midlayer.mlp.router.weight[1] = 10 * (x[low_tokens].mean(0) - x[~low_tokens & real].mean(0))
+    g = MoEGrowth(max_experts=3, grow_after_records=1, domains={"code": 1})
+    g.recent["math"] = deque(TraceRecord(f"m{i}", target.fingerprint, "v1", "reference", tuple(range(i, i + 8)),
+                                         (0,) * 4 + (1,) * 4, domain="math") for i in range(3))
+    g.low["math"] = 1
+    grown = g.grow(head, target)
+    assert grown.source_expert == 1 and grown.expert == 2 and g.domains == {"code": 1, "math": 2}
+    assert g.grown[-1]["source_expert"] == 1 and g.due(grown.head) is None  # full at max_experts
+
+
 def test_growth_state_follows_low_domains_and_round_trips():
     g = MoEGrowth(max_experts=3, grow_after_records=2)
     g.note_replay({"accept_length": 1.5, "domains": {"code": {"accept_length": 1.2}, "english": {"accept_length": 1.7},
