@@ -1,39 +1,130 @@
-"""Hot swap cost: how long installing a head takes, and how much it stalls requests in flight.
+"""Hot swap cost: how long installing a head takes, how much it stalls one engine's request in flight,
+and how much a FLEET swap under load stalls the requests in flight.
 
-One process, the real SmolLM2-135M target and the shipped heads (v1 and v2 alternate). First a
-request decodes undisturbed (its step times are the baseline); then the same request decodes
-while another thread installs a head every few steps (`engine.set_head`: validate, prepare off the
-decode path, flip). Reports the install time (alone and under decoding), the step time of the
-in-flight request away from and during installs, and checks that the swapped request's output is
-unchanged (it finishes on the head it started with). Ends with one JSON line.
+Part 1, one engine (baseline: a request's undisturbed steps; subject: the same request while another thread
+installs a head every few steps with `engine.set_head`: validate, prepare off the decode path, flip).
+Reports the install time (alone and under decoding), the step time of the in-flight request away from and
+during installs, and checks that the swapped request's output is unchanged (it finishes on the head it
+started with).
+
+Part 2, a fleet under load: `--replicas` DecodeServers (in this process, each on its own decode thread)
+behind the gateway, `--clients` threads streaming chat completions back to back over HTTP (SSE); first with
+no swap (baseline), then while `GatewayFleet.swap` (the policy's promotion path) alternates every replica
+between the two heads every `--swap-every` seconds (subject). The *stall* of a request is the largest gap
+between its consecutive streamed chunks (one chunk per verify step: the tokens it committed) minus the
+median gap of that request. Reported as P50/P99 over the requests in flight during a swap (their
+first-to-last chunk window overlaps a swap call's window), next to the same figures over the baseline
+phase's requests. A failed request is a non-200 answer, an error event in the stream, or a stream without
+its final chunk. Greedy requests: every prompt's text must be the same in both phases (lossless under swaps).
+
+Targets: `smollm2` (the real SmolLM2-135M-Instruct, the shipped heads v1 and v2) or `tiny` (a random tiny
+Llama with a word tokenizer and two random heads: a smoke run). `--quick`: a short run.
+Ends with one JSON line: the engine figures, `swap_stall_p50_ms` and `swap_stall_p99_ms` (fleet, requests in
+flight during swaps), `baseline_stall_p50_ms`, `baseline_stall_p99_ms`, `fleet_swap_ms_p50`, `fleet_swaps`,
+`failed_requests`, `outputs_unchanged`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adaptive_eagle.checkpoint import load_head  # noqa: E402
-from adaptive_eagle.engine import EngineConfig, SpeculativeEngine  # noqa: E402
-from adaptive_eagle.targets import load_target  # noqa: E402
-from adaptive_eagle.trace import SamplingParams  # noqa: E402
+from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
+from adaptive_eagle.trace import SamplingParams
 
 HEADS = Path(__file__).resolve().parent.parent / "heads"
 PROMPT = "Explain how a hash table works and when to use one, in a short paragraph."
+ENGLISH = ["Give me three tips for writing clear emails.", "Explain what a hash table is to a beginner.",
+           "Write a short poem about the sea.", "How do I make a cup of green tea?",
+           "What are the benefits of regular exercise?", "Summarise the plot of Romeo and Juliet.",
+           "Write a Python function that reverses a string.", "Why is the sky blue?"]
+TINY = ["w5 w9 w12 w7 w30", "w40 w41 w8", "w11 w22 w33 w44 w55 w6", "w17 w4 w60", "w20 w21 w22 w23",
+        "w50 w9 w31 w14"]
+TINY_ENGINE = {"cost_aware": False, "prompt_lookup": False, "suffix_drafting": False, "calibration_dir": ""}
 
 
-def timed_steps(engine, sp, on_step=None) -> tuple[list[float], list[int], str | None]:
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def ms(x: float | None) -> float | None:
+    return None if x is None else round(1e3 * x, 1)
+
+
+# ---- setups ------------------------------------------------------------------------------------------
+@dataclass
+class Setup:
+    target: object
+    registry: object  # HeadRegistry holding `versions`
+    versions: tuple[str, str]  # the two heads swaps alternate between (the first serves at start)
+    prompts: list[str]
+    engine: dict  # EngineConfig / EngineParams fields
+    prompt: str  # part 1's request
+
+
+def tiny_setup(tmp: Path) -> Setup:
+    """A tiny random target with a word tokenizer and a registry of two random heads."""
+    from dataclasses import replace
+
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    from adaptive_eagle.checkpoint import HeadMeta
+    from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
+    from adaptive_eagle.registry import HeadRegistry
+    from adaptive_eagle.targets import tiny_target
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 64)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    target = replace(tiny_target(seed=3, vocab_size=64, num_layers=6, initializer_range=0.15,
+                                 max_position_embeddings=512), tokenizer=fast)
+    registry = HeadRegistry.create(tmp / "registry")
+    cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.aux_layer_ids)
+    for version, seed in (("tiny-v1", 11), ("tiny-v2", 12)):
+        torch.manual_seed(seed)
+        head = Eagle3DraftHead(cfg)
+        init_weights(head, std=0.1)
+        head.embed_tokens.weight.data.copy_(target.input_embeddings())
+        registry.register(head, HeadMeta.new(version, target.name, target.fingerprint), dtype=torch.float32)
+    return Setup(target, registry, ("tiny-v1", "tiny-v2"), TINY, TINY_ENGINE, TINY[0])
+
+
+def smollm2_setup(tmp: Path, device: str) -> Setup:
+    from adaptive_eagle.registry import HeadRegistry
+    from adaptive_eagle.targets import load_target
+
+    target = load_target(device=device)
+    registry = HeadRegistry.create(tmp / "registry")
+    versions = tuple(registry.add(HEADS / name) for name in ("smollm2-135m-english-v2", "smollm2-135m-english-v1"))
+    return Setup(target, registry, versions, ENGLISH, {}, PROMPT)
+
+
+# ---- part 1: one engine ----------------------------------------------------------------------------
+def timed_steps(engine, prompt, sp, on_step=None) -> tuple[list[float], list[int], str | None]:
     """Per-step wall ms of one streamed request, its tokens and the head version it reported."""
     times, tokens, version = [], [], None
     t = time.perf_counter()
-    for i, (new, res) in enumerate(engine.stream(PROMPT, sp, request_id="swap-bench")):
+    for i, (new, res) in enumerate(engine.stream(prompt, sp, request_id="swap-bench")):
         now = time.perf_counter()
         if res is not None:
             version = res.head_version
@@ -46,37 +137,27 @@ def timed_steps(engine, sp, on_step=None) -> tuple[list[float], list[int], str |
     return times, tokens, version
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="48 new tokens, 3 installs")
-    ap.add_argument("--max-new", type=int, default=128)
-    ap.add_argument("--installs", type=int, default=6)
-    ap.add_argument("--device", default="auto")
-    args = ap.parse_args()
-    if args.quick:
-        args.max_new, args.installs = 48, 3
-    target = load_target(device=args.device)
-    heads = [load_head(HEADS / name, target, device=target.device)
-             for name in ("smollm2-135m-english-v2", "smollm2-135m-english-v1")]
-    engine = SpeculativeEngine(target, heads[0], EngineConfig())
-    sp = SamplingParams(max_tokens=args.max_new)
-    engine.generate(PROMPT, sp)  # warm up kernels and the calibration
+def engine_swap(setup: Setup, max_new: int, installs: int) -> dict:
+    target = setup.target
+    heads = [setup.registry.load(v, target, device=target.device) for v in setup.versions]
+    engine = SpeculativeEngine(target, heads[0], EngineConfig(**setup.engine))
+    sp = SamplingParams(max_tokens=max_new)
+    engine.generate(setup.prompt, sp)  # warm up kernels and the calibration
 
     alone = []
-    for i in range(args.installs):  # install time with nothing decoding
+    for i in range(installs):  # install time with nothing decoding
         res = engine.set_head(heads[(i + 1) % 2])
         assert res.ok, res.message
         alone.append(res.install_ms)
     engine.set_head(heads[0])
-    base_times, base_tokens, _ = timed_steps(engine, sp)
+    base_times, base_tokens, _ = timed_steps(engine, setup.prompt, sp)
 
     # the same request, with installs from another thread every `every` steps
-    every = max(2, len(base_times) // (args.installs + 1))
+    every = max(2, len(base_times) // (installs + 1))
     installing = threading.Event()
     during: set[int] = set()
     loaded_ms: list[float] = []
     threads: list[threading.Thread] = []
-    step_now = [0]
 
     def install(k: int) -> None:
         installing.set()
@@ -85,21 +166,20 @@ def main() -> None:
         installing.clear()
 
     def on_step(i: int) -> None:
-        step_now[0] = i
         if installing.is_set():
             during.add(i)
-        if i and i % every == 0 and len(threads) < args.installs and not installing.is_set():
+        if i and i % every == 0 and len(threads) < installs and not installing.is_set():
             th = threading.Thread(target=install, args=(len(threads) + 1,))
             threads.append(th)
             th.start()
 
     engine.set_head(heads[0])
-    swap_times, swap_tokens, version = timed_steps(engine, sp, on_step)
+    swap_times, swap_tokens, version = timed_steps(engine, setup.prompt, sp, on_step)
     for th in threads:
         th.join()
     hit = [swap_times[i] for i in sorted(during) if i < len(swap_times)]
     quiet = [t for i, t in enumerate(swap_times) if i not in during]
-    figures = {
+    return {
         "head_install_ms": round(statistics.median(alone), 1),
         "head_install_ms_while_decoding": round(statistics.median(loaded_ms), 1) if loaded_ms else None,
         "step_ms_undisturbed": round(statistics.median(base_times), 1),
@@ -108,15 +188,190 @@ def main() -> None:
         "step_ms_during_installs_max": round(max(hit), 1) if hit else None,
         "installs_during_request": len(threads), "steps_overlapping_installs": len(hit),
         "output_unchanged": swap_tokens == base_tokens, "request_head_version": version,
-        "compute": target.compute, "quick": args.quick,
+        "compute": target.compute,
     }
-    print(f"target compute {target.compute}; head install alone {figures['head_install_ms']} ms (median of "
-          f"{len(alone)}), while decoding {figures['head_install_ms_while_decoding']} ms")
-    print(f"in-flight step: {figures['step_ms_undisturbed']} ms undisturbed, {figures['step_ms_away_from_installs']} "
-          f"ms away from installs, {figures['step_ms_during_installs_median']} ms median / "
-          f"{figures['step_ms_during_installs_max']} ms max during {len(hit)} steps that overlapped an install")
-    print(f"swapped request finished on {version}, output unchanged: {figures['output_unchanged']}")
-    print(json.dumps(figures))
+
+
+# ---- part 2: a fleet under load --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Streamed:
+    prompt: int
+    ok: bool
+    text: str
+    chunk_times: tuple[float, ...]  # perf_counter of every content chunk
+    error: str = ""
+
+    @property
+    def stall_s(self) -> float | None:
+        """Largest gap between consecutive chunks minus the median gap (None below 3 chunks)."""
+        gaps = [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return max(gaps) - statistics.median(gaps) if len(gaps) >= 2 else None
+
+
+def stream_chat(client, url: str, i: int, prompt: str, max_tokens: int) -> Streamed:
+    import httpx
+
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens, "stream": True}
+    text, times, final = [], [], False
+    try:
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return Streamed(i, False, "", (), f"HTTP {r.status_code}: {r.read()[:200]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Streamed(i, False, "".join(text), tuple(times), str(chunk["error"])[:200])
+                content = chunk["choices"][0]["delta"].get("content")
+                if content:
+                    times.append(time.perf_counter())
+                    text.append(content)
+                final = final or "adaptive_eagle" in chunk
+    except httpx.HTTPError as e:
+        return Streamed(i, False, "".join(text), tuple(times), f"{type(e).__name__}: {e}")
+    return Streamed(i, final, "".join(text), tuple(times), "" if final else "no final chunk")
+
+
+def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop: threading.Event) -> list[Streamed]:
+    """`clients` threads streaming back to back until `stop` is set."""
+    import httpx
+
+    out, lock, counter = [], threading.Lock(), [0]
+
+    def run() -> None:
+        with httpx.Client(timeout=600) as client:
+            while not stop.is_set():
+                with lock:
+                    i, counter[0] = counter[0] % len(prompts), counter[0] + 1
+                res = stream_chat(client, url, i, prompts[i], max_tokens)
+                with lock:
+                    out.append(res)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(600)
+    return out
+
+
+def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps: int, swap_every_s: float,
+               baseline_s: float) -> dict:
+    from serving.config import EngineParams, ServingConfig
+    from serving.gateway import GatewayThread, create_app
+    from serving.replicas import build_replicas
+
+    config = ServingConfig(model_name="bench", port=0, replicas=replicas, queue_size=256, max_prompt_tokens=1024,
+                           max_tokens_limit=1024, default_max_tokens=max_tokens,
+                           registry_path=str(setup.registry.root), initial_head=setup.versions[0],
+                           engine=EngineParams(**setup.engine))
+    servers = build_replicas(config, target_builder=lambda: setup.target)
+    app = create_app(config, servers)
+    gateway = GatewayThread(app)
+    url = gateway.start(timeout=300)
+    fleet = app.state.gateway.fleet
+    windows: list[tuple[float, float]] = []
+    refused: list[str] = []
+    try:
+        load_phase(url, setup.prompts, replicas, max_tokens, _after(0.5))  # warm-up: a request per client at least
+        baseline = load_phase(url, setup.prompts, clients, max_tokens, _after(baseline_s))
+
+        def swapper(stop: threading.Event) -> None:
+            for k in range(swaps):
+                time.sleep(swap_every_s)
+                t0 = time.perf_counter()
+                results = fleet.swap(setup.versions[(k + 1) % 2])
+                windows.append((t0, time.perf_counter()))
+                refused.extend(r.message for r in results if not r.ok)
+            time.sleep(swap_every_s)
+            stop.set()
+
+        stop = threading.Event()
+        threading.Thread(target=swapper, args=(stop,), daemon=True).start()
+        subject = load_phase(url, setup.prompts, clients, max_tokens, stop)
+    finally:
+        gateway.stop()
+        for s in servers:
+            s.close()
+
+    def in_swap(r: Streamed) -> bool:
+        return bool(r.chunk_times) and any(r.chunk_times[0] < t1 and r.chunk_times[-1] > t0 for t0, t1 in windows)
+
+    hit = [r.stall_s for r in subject if r.ok and in_swap(r) and r.stall_s is not None]
+    quiet = [r.stall_s for r in baseline if r.ok and r.stall_s is not None]
+    texts: dict[int, set[str]] = {}
+    for r in baseline + subject:
+        if r.ok:
+            texts.setdefault(r.prompt, set()).add(r.text)
+    failed = [r for r in baseline + subject if not r.ok]
+    return {"replicas": replicas, "clients": clients, "fleet_swaps": len(windows), "swaps_refused": len(refused),
+            "fleet_swap_ms_p50": ms(pct([t1 - t0 for t0, t1 in windows], 0.5)),
+            "requests_baseline": len(baseline), "requests_during_swaps": len(hit),
+            "requests_subject_phase": len(subject),
+            "baseline_stall_p50_ms": ms(pct(quiet, 0.5)), "baseline_stall_p99_ms": ms(pct(quiet, 0.99)),
+            "swap_stall_p50_ms": ms(pct(hit, 0.5)), "swap_stall_p99_ms": ms(pct(hit, 0.99)),
+            "swap_stall_max_ms": ms(max(hit) if hit else None),
+            "failed_requests": len(failed), "errors": [r.error for r in failed[:3]] + refused[:3],
+            "outputs_unchanged": all(len(v) == 1 for v in texts.values())}
+
+
+def _after(seconds: float) -> threading.Event:
+    """An event set `seconds` from now (a phase's stop signal)."""
+    ev = threading.Event()
+    timer = threading.Timer(seconds, ev.set)
+    timer.daemon = True
+    timer.start()
+    return ev
+
+
+# ---- main ------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=("smollm2", "tiny"), default="smollm2")
+    ap.add_argument("--quick", action="store_true", help="shorter requests, fewer installs and swaps")
+    ap.add_argument("--max-new", type=int, default=None, help="new tokens per request (default 128, quick 48)")
+    ap.add_argument("--installs", type=int, default=None, help="part 1: installs during one request (6, quick 3)")
+    ap.add_argument("--replicas", type=int, default=3, help="part 2: fleet size")
+    ap.add_argument("--clients", type=int, default=None, help="part 2: streaming clients (default replicas + 1)")
+    ap.add_argument("--swaps", type=int, default=None, help="part 2: fleet swaps (default 20, quick 6)")
+    ap.add_argument("--swap-every", type=float, default=None, help="part 2: seconds between swaps (2, quick 1)")
+    ap.add_argument("--baseline-s", type=float, default=None, help="part 2: seconds of load with no swap (20, quick 6)")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    max_new = args.max_new or (48 if args.quick else 128)
+    installs = args.installs or (3 if args.quick else 6)
+    swaps = args.swaps or (6 if args.quick else 20)
+    swap_every = args.swap_every or (1.0 if args.quick else 2.0)
+    baseline_s = args.baseline_s or (6.0 if args.quick else 20.0)
+    clients = args.clients or args.replicas + 1
+    tmp = Path(tempfile.mkdtemp(prefix="bench-swap-"))
+    try:
+        setup = tiny_setup(tmp) if args.target == "tiny" else smollm2_setup(tmp, args.device)
+        figures = engine_swap(setup, max_new, installs)
+        print(f"target {args.target} ({figures['compute']}); head install alone {figures['head_install_ms']} ms "
+              f"(median of {installs}), while decoding {figures['head_install_ms_while_decoding']} ms")
+        print(f"in-flight step: {figures['step_ms_undisturbed']} ms undisturbed, "
+              f"{figures['step_ms_away_from_installs']} ms away from installs, "
+              f"{figures['step_ms_during_installs_median']} ms median / {figures['step_ms_during_installs_max']} ms "
+              f"max during {figures['steps_overlapping_installs']} steps that overlapped an install")
+        print(f"swapped request finished on {figures['request_head_version']}, output unchanged: "
+              f"{figures['output_unchanged']}")
+        fleet = fleet_swap(setup, args.replicas, clients, max_new, swaps, swap_every, baseline_s)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"\nfleet: {fleet['replicas']} replicas, {fleet['clients']} streaming clients, {fleet['fleet_swaps']} swaps "
+          f"(median {fleet['fleet_swap_ms_p50']} ms each, {fleet['swaps_refused']} refused)")
+    print(f"{'stall (max gap - median gap), ms':<34} | {'P50':>7} {'P99':>7} | requests")
+    print(f"{'baseline (no swap)':<34} | {fleet['baseline_stall_p50_ms']!s:>7} {fleet['baseline_stall_p99_ms']!s:>7} "
+          f"| {fleet['requests_baseline']}")
+    print(f"{'in flight during a fleet swap':<34} | {fleet['swap_stall_p50_ms']!s:>7} {fleet['swap_stall_p99_ms']!s:>7} "
+          f"| {fleet['requests_during_swaps']} of {fleet['requests_subject_phase']}")
+    print(f"failed requests: {fleet['failed_requests']} {fleet['errors'] or ''}; outputs unchanged across swaps: "
+          f"{fleet['outputs_unchanged']}")
+    print(json.dumps({**figures, **fleet, "target": args.target, "quick": args.quick}))
 
 
 if __name__ == "__main__":
