@@ -1,0 +1,83 @@
+"""`adaptive-eagle demo`: the main job — the whole loop adapting to drifting traffic on one machine.
+
+Starts the local stack (serving.stack.LocalStack: the real SmolLM2-135M target, the shipped English head
+as the first champion, a local feature store, one replica, the near-line trainer, the promotion policy,
+the OpenAI-compatible gateway), sends real ShareGPT prompts whose mix drifts (English chat → code by
+default) through the `openai` client, shows a live view, and writes a report that sets the adapted stack
+next to the frozen shipped head on the same requests. It composes serving, trainer and policies, so it
+lives here, above all of them.
+
+Modules: config (options, phase plan, the demo's stack config), traffic (prompts and clients), control
+(frozen head and plain greedy decoding in-process), view (live view), report (table, summary.json, plot,
+report.md), run (the steps in order). Owns: the command line only. Must not touch: the packages below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+demo_app = typer.Typer(add_completion=False)
+
+QUICK = {"minutes": 3.5, "max_tokens": 32, "think_s": 0.5, "control_every": 3, "greedy_checks": 3,
+         "max_prompt_chars": 300}
+
+
+@demo_app.command("demo")
+def demo(
+    minutes: Optional[float] = typer.Option(None, help="wall-clock budget, start-up and report included "
+                                            "(default 15; --quick 3.5)"),
+    out: Path = typer.Option(Path("demo-report"), help="report directory (report.md, summary.json, plot, log)"),
+    scenario: str = typer.Option("english,code", help="domains the traffic drifts through, in order "
+                                 "(english, code, math, agent)"),
+    prompts: Optional[Path] = typer.Option(None, help="your own prompts instead of ShareGPT: JSONL of "
+                                           "{\"prompt\": ...} or {\"messages\": [...]}, optional \"domain\""),
+    clients: int = typer.Option(2, help="concurrent openai clients"),
+    quick: bool = typer.Option(False, "--quick", help="a few-minute run: short answers, fast candidates (CI)"),
+    max_tokens: Optional[int] = typer.Option(None, help="tokens per request (default 96; --quick 32)"),
+    think: Optional[float] = typer.Option(None, help="seconds a client pauses between requests (default 1; --quick 0.5)"),
+    control_every: Optional[int] = typer.Option(None, help="decode every k-th request again with the frozen head "
+                                                "(its tokens/s) (default 4; --quick 3)"),
+    greedy_checks: Optional[int] = typer.Option(None, help="responses checked against plain greedy decoding "
+                                                "(default 5; --quick 3)"),
+    port: int = typer.Option(0, help="gateway port (0: any free port)"),
+    state_dir: Optional[Path] = typer.Option(None, help="stack state (registry, store, trainer); default: a "
+                                             "temporary directory removed afterwards"),
+    keep_state: bool = typer.Option(False, help="keep the temporary state directory"),
+    seed: int = typer.Option(0, help="seed of the prompt order"),
+) -> None:
+    """The main job: the whole loop on drifting traffic — serving, capture, near-line training, gated
+    promotion — next to the frozen shipped head on the same requests. Writes report.md, summary.json,
+    accept_length.png and promotions.jsonl to --out. Exits non-zero when a request failed or a sampled
+    response differs from plain greedy decoding."""
+    from adaptive_eagle.cli import SHIPPED_HEAD, fail
+    from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError
+    from adaptive_eagle_cli.demo.run import run_demo
+
+    given = {"minutes": minutes, "max_tokens": max_tokens, "think_s": think, "control_every": control_every,
+             "greedy_checks": greedy_checks}
+    defaults = QUICK if quick else {}
+    fields = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
+    if quick:
+        fields["max_prompt_chars"] = QUICK["max_prompt_chars"]
+    try:
+        cfg = DemoConfig.make(**fields, out=str(out), scenario=scenario, prompts=str(prompts) if prompts else None,
+                              clients=clients, quick=quick, port=port, state_dir=str(state_dir) if state_dir else None,
+                              keep_state=keep_state, seed=seed)
+    except DemoConfigError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise typer.Exit(2) from None
+    if not (SHIPPED_HEAD / "head.json").exists():
+        fail(f"no shipped head at {SHIPPED_HEAD}; train one with `adaptive-eagle train-head`")
+    outcome = run_demo(cfg, echo=typer.echo)
+    s = outcome.summary
+    typer.secho(f"\nreport: {outcome.out / 'report.md'}", bold=True)
+    typer.echo(f"{s['drift_domain']} ({s['drift_window']}): accept length adapted {s['drift_accept_length_adapted']} "
+               f"vs frozen {s['drift_accept_length_frozen']} ({s['drift_gain_pct']}%); promotions {s['promotions']}, "
+               f"failed requests {s['failed_requests']}, greedy mismatches {s['greedy_checks']['mismatches']}")
+    raise typer.Exit(outcome.exit_code)
+
+
+__all__ = ["demo_app"]

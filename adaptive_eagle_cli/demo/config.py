@@ -1,0 +1,175 @@
+"""DemoConfig: what `adaptive-eagle demo` runs (the CLI's options, checked at the boundary), and the
+StackConfig the demo starts from it.
+
+Owns: the demo's settings and their ranges (every error names the option and what is allowed), the
+phase plan (which domain is sent when), and `demo_stack_config`: the stack tuned so that the loop
+turns within minutes on a 2-core CPU (capture of every request, a trainer that writes candidates every
+few minutes and yields to queued requests, sample minimums a few minutes of traffic can meet).
+Must not touch: starting anything (run.py), traffic (traffic.py).
+
+Engine. Serving and the control run decode with the same tree and with no model-free drafting
+(prompt lookup, suffix index) and no cost-aware pruning: then acceptance replay of a head on a
+captured greedy request reproduces what that head would have accepted serving it, step for step
+(tests/trainer/test_replay.py), which is how the frozen head is scored on the very same requests.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCENARIO_DOMAINS = ("english", "code", "math", "agent")
+MODEL_NAME = "adaptive-eagle"
+# the serving tree (trainer.replay.TreeParams defaults) without model-free drafts or pruning: replay is exact
+ENGINE = {"depth": 5, "topk": 4, "num_draft_tokens": 16, "cost_aware": False, "prompt_lookup": False,
+          "suffix_drafting": False, "calibration_dir": ""}
+
+
+class DemoConfigError(ValueError):
+    """A demo option was refused: the message names the option and the allowed range."""
+
+
+class DemoConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    minutes: float = Field(15.0, ge=1.0, le=720.0, description="wall-clock budget of the whole demo, start-up and "
+                           "report included; in [1, 720]")
+    out: str = Field("demo-report", min_length=1, description="report directory (created; files overwritten)")
+    scenario: tuple[str, ...] = Field(("english", "code"), min_length=1, max_length=8, description=(
+        "domains in the order the traffic drifts through them, from english, code, math, agent"))
+    prompts: Optional[str] = Field(None, description="a JSONL file of your own prompts ({prompt | messages, "
+                                   "domain?} a line) instead of ShareGPT")
+    clients: int = Field(2, ge=1, le=16, description="concurrent openai clients; in [1, 16]")
+    max_tokens: int = Field(96, ge=8, le=512, description="tokens generated per request; in [8, 512]")
+    think_s: float = Field(1.0, ge=0.0, le=60.0, description="pause of a client between its requests (leaves the "
+                           "trainer CPU time); in [0, 60]")
+    first_phase_share: float = Field(0.3, gt=0.0, lt=1.0, description="share of the traffic time of the first "
+                                     "phase (before the drift); in (0, 1)")
+    control_every: int = Field(4, ge=1, le=1000, description="every k-th request is also decoded in-process with "
+                               "the frozen head (its tokens/s); in [1, 1000]")
+    greedy_checks: int = Field(5, ge=0, le=100, description="responses checked against plain greedy decoding; "
+                               "in [0, 100]")
+    max_prompt_chars: int = Field(600, ge=20, le=20_000, description="ShareGPT prompts longer than this are "
+                                  "skipped; in [20, 20000]")
+    quick: bool = Field(False, description="a few-minute run with short answers and fast candidates (CI)")
+    port: int = Field(0, ge=0, le=65535, description="gateway port (0: any free port); in [0, 65535]")
+    state_dir: Optional[str] = Field(None, description="where the stack keeps registry, store and trainer state "
+                                     "(None: a fresh temporary directory)")
+    keep_state: bool = Field(False, description="keep the temporary state directory after the run")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompt order; in [0, 2**31 - 1]")
+
+    @field_validator("scenario", mode="before")
+    @classmethod
+    def _split(cls, value):
+        if isinstance(value, str):
+            value = tuple(p.strip() for p in value.split(",") if p.strip())
+        return value
+
+    @field_validator("scenario")
+    @classmethod
+    def _known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [d for d in value if d not in SCENARIO_DOMAINS]
+        if bad:
+            raise ValueError(f"unknown domain(s) {', '.join(bad)} (allowed: {', '.join(SCENARIO_DOMAINS)})")
+        if len(set(value)) != len(value):
+            raise ValueError("a domain appears twice (each phase is one domain)")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "DemoConfig":
+        if self.prompts is not None and not Path(self.prompts).expanduser().is_file():
+            raise ValueError(f"prompts: no such file {self.prompts}")
+        return self
+
+    @classmethod
+    def make(cls, **fields) -> "DemoConfig":
+        """Construct; a pydantic error becomes a DemoConfigError naming each option and its range."""
+        try:
+            return cls(**{k: v for k, v in fields.items() if v is not None})
+        except ValidationError as e:
+            raise DemoConfigError(explain(e)) from None
+
+    # ---- derived settings ---------------------------------------------------------------------
+    @property
+    def budget_s(self) -> float:
+        return self.minutes * 60.0
+
+    def traffic_s(self, startup_s: float) -> float:
+        """Seconds of traffic: the budget less start-up and the closing work (control replay, checks, report)."""
+        closing = (40.0 if self.quick else 90.0) + 4.0 * self.greedy_checks * self.max_tokens / 32
+        return max(20.0, self.budget_s - startup_s - closing)
+
+
+def explain(error: ValidationError) -> str:
+    lines = []
+    for err in error.errors():
+        name = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-") if err["loc"] else "demo"
+        field = DemoConfig.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+        doc = f" — {field.description}" if field is not None and field.description else ""
+        given = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append(f"{name}: {err['msg'].removeprefix('Value error, ')}{given}{doc}")
+    return "; ".join(lines)
+
+
+@dataclass(frozen=True)
+class Phase:
+    domain: str
+    start_s: float  # seconds after traffic began
+    end_s: float
+
+
+def phase_plan(domains: tuple[str, ...], traffic_s: float, first_share: float) -> tuple[Phase, ...]:
+    """The first domain gets `first_share` of the traffic time (the baseline before the drift), the others
+    split the rest evenly, in order."""
+    if len(domains) == 1:
+        return (Phase(domains[0], 0.0, traffic_s),)
+    first = traffic_s * first_share
+    rest = (traffic_s - first) / (len(domains) - 1)
+    phases = [Phase(domains[0], 0.0, first)]
+    for i, d in enumerate(domains[1:]):
+        phases.append(Phase(d, first + i * rest, first + (i + 1) * rest))
+    return tuple(phases)
+
+
+def demo_stack_config(cfg: DemoConfig, state_dir: str):
+    """The StackConfig of the demo: the real target, the shipped head as the seed champion, a local store,
+    one replica, every request captured, a trainer and a policy tuned to turn within the budget."""
+    from adaptive_eagle.cli import SHIPPED_HEAD
+    from serving.stack_config import parse_stack_config
+
+    quick = cfg.quick
+    trainer = {
+        "num_cpus": 0, "device": "cpu", "positions": "all", "poll_ms": 200, "checkpoint_every_s": 20,
+        "champion_check_s": 3, "batch_tokens": 1024 if quick else 2048, "min_fresh_tokens": 256 if quick else 1024,
+        "heldout_percent": 50 if quick else 35, "heldout_per_domain": 48,
+        "candidate_every_tokens": 1024 if quick else 60_000, "candidate_every_minutes": 0.3 if quick else 2.5,
+        "min_candidate_tokens": 512 if quick else 8192, "max_len": 768,
+        "yield_queue_depth": 1,  # the trainer pauses while a request waits for the replica
+    }
+    policy = {
+        "tick_s": 1.0, "candidate_poll_s": 1.0 if quick else 3.0, "min_samples": 20, "min_domain_samples": 10,
+        # a few dozen requests make the 5th percentile the minimum: the demo gates on the lower quartile
+        "tail_quantile": 0.25, "confidence_level": 0.9, "bootstrap_resamples": 500, "domain_tolerance": 0.05,
+        "canary_fraction": 0.5, "canary_min_requests": 20, "rollback_window": 30, "collapse_min_requests": 10,
+    }
+    return parse_stack_config({
+        "state_dir": state_dir,
+        "ray": {"num_cpus": max(2, os.cpu_count() or 2), "dashboard": False, "replica_num_cpus": 0},
+        "registry": {"seed_head": str(SHIPPED_HEAD)},
+        "serving": {"model_name": MODEL_NAME, "port": cfg.port, "queue_size": 16 + cfg.clients,
+                    "max_prompt_tokens": 1536, "max_tokens_limit": max(cfg.max_tokens, 256),
+                    "default_max_tokens": cfg.max_tokens, "request_timeout_s": 900,
+                    "capture": {"fraction": 1.0, "budget_bytes_per_s": 256 << 20, "seed": cfg.seed},
+                    "engine": ENGINE},
+        "store": {"fsync": False},
+        "trainer": trainer,
+        "policy": policy,
+    }, "demo stack")
+
+
+__all__ = ["DemoConfig", "DemoConfigError", "ENGINE", "MODEL_NAME", "Phase", "SCENARIO_DOMAINS", "demo_stack_config",
+           "phase_plan"]

@@ -1,0 +1,213 @@
+"""The demo's report: the table (adapted stack next to the frozen head on the same requests), summary.json,
+the accept-length plot with promotion and rollback markers, the promotion log's copy, report.md.
+
+Owns: the windows (before drift = the first phase; right after drift = the first third of a later phase;
+after adaptation = its last third, by request start time), the figures per window and domain, and
+writing the files. Must not touch: the stack, decoding (the figures arrive measured).
+
+Figures. Adapted: what the stack served, from each response's `adaptive_eagle` field (accept length as
+generated tokens / verify steps over the window; tokens/s as the mean of the requests'). Frozen, on the
+same requests: accept length by acceptance replay of the frozen head on each request's captured record
+(exact for greedy traffic); tokens/s from the requests the frozen head decoded again in-process during
+the run (every k-th; n given).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from adaptive_eagle_cli.demo.config import Phase
+from adaptive_eagle_cli.demo.control import ControlSample, GreedyCheck
+from adaptive_eagle_cli.demo.traffic import RequestResult
+
+PLOT = "accept_length.png"
+MARKERS = {"promoted": ("tab:green", "-"), "rolled_back": ("tab:red", "-"), "canary_started": ("0.5", ":")}
+
+
+@dataclass(frozen=True)
+class Row:
+    window: str  # "before drift" | "right after drift" | "after adaptation"
+    domain: str
+    requests: int
+    heads: str  # head versions that served the window's requests
+    accept_length_adapted: Optional[float]
+    accept_length_frozen: Optional[float]
+    gain_pct: Optional[float]
+    tokens_per_s_adapted: Optional[float]
+    tokens_per_s_frozen: Optional[float]
+    frozen_decoded: int  # requests of the window the frozen head decoded again (its tokens/s)
+
+
+def windows(results: Sequence[RequestResult], phases: Sequence[Phase]) -> list[tuple[str, str, list[RequestResult]]]:
+    out = []
+    for i, p in enumerate(phases):
+        mine = [r for r in results if r.ok and r.phase == i]
+        if i == 0:
+            out.append(("before drift", p.domain, mine))
+            continue
+        third = (p.end_s - p.start_s) / 3
+        out.append(("right after drift", p.domain, [r for r in mine if r.started_s < p.start_s + third]))
+        out.append(("after adaptation", p.domain, [r for r in mine if r.started_s >= p.end_s - third]))
+    return out
+
+
+def _ratio(tokens: int, steps: int) -> Optional[float]:
+    return round(tokens / steps, 4) if steps else None
+
+
+def table(results: Sequence[RequestResult], phases: Sequence[Phase], replays: dict,
+          control: Sequence[ControlSample]) -> list[Row]:
+    rows = []
+    by_id = {c.request_id: c for c in control}
+    for window, domain, rs in windows(results, phases):
+        adapted = _ratio(sum(r.completion_tokens for r in rs), sum(r.verify_steps for r in rs))
+        reps = [replays[r.request_id] for r in rs if r.request_id in replays and replays[r.request_id].steps]
+        frozen = _ratio(sum(sum(x.accepted) + x.steps for x in reps), sum(x.steps for x in reps))
+        ctl = [by_id[r.request_id] for r in rs if r.request_id in by_id]
+        gain = round(100 * (adapted / frozen - 1), 2) if adapted and frozen else None
+        rows.append(Row(window, domain, len(rs), ",".join(sorted({r.head_version for r in rs})), adapted, frozen, gain,
+                        round(float(np.mean([r.tokens_per_s for r in rs])), 2) if rs else None,
+                        round(float(np.mean([c.tokens_per_s for c in ctl])), 2) if ctl else None, len(ctl)))
+    return rows
+
+
+def event_seconds(event, t0: float) -> float:
+    return datetime.fromisoformat(event.time.replace("Z", "+00:00")).timestamp() - t0
+
+
+def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Sequence, checks: Sequence[GreedyCheck],
+            control: Sequence[ControlSample], extra: dict) -> dict:
+    drift = next((r for r in rows if r.window == "after adaptation"), rows[0] if rows else None)
+    kinds = [e.event for e in events]
+    return {
+        "drift_domain": drift.domain if drift else None,
+        "drift_window": drift.window if drift else None,
+        "drift_accept_length_adapted": drift.accept_length_adapted if drift else None,
+        "drift_accept_length_frozen": drift.accept_length_frozen if drift else None,
+        "drift_gain_pct": drift.gain_pct if drift else None,
+        "requests": len(results),
+        "failed_requests": sum(not r.ok for r in results),
+        "failures": [f"{r.request_id or r.index}: {r.error}" for r in results if not r.ok][:20],
+        "promotions": kinds.count("promoted"),
+        "rollbacks": kinds.count("rolled_back"),
+        "candidates_considered": kinds.count("considered"),
+        "canaries": kinds.count("canary_started"),
+        "greedy_checks": {"checked": len(checks), "mismatches": sum(not c.equal for c in checks),
+                          "requests": [asdict(c) for c in checks]},
+        "control": {"frozen_decoded": len(control), "frozen_text_differs": sum(not c.same_text for c in control)},
+        "table": [asdict(r) for r in rows],
+        **extra,
+    }
+
+
+def plot(path: Path, results: Sequence[RequestResult], replays: dict, phases: Sequence[Phase], events: Sequence,
+         t0: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    domains = list(dict.fromkeys(p.domain for p in phases))
+    for k, domain in enumerate(domains):
+        rs = sorted((r for r in results if r.ok and r.domain == domain and r.verify_steps), key=lambda r: r.finished_s)
+        if not rs:
+            continue
+        c = colors[k % len(colors)]
+        x = np.array([r.finished_s / 60 for r in rs])
+        ax.scatter(x, [r.accept_length for r in rs], s=10, color=c, alpha=0.3)
+        ax.plot(x, _rolling([r.accept_length for r in rs]), color=c, lw=2, label=f"{domain}: adapted (served)")
+        fr = [(r.finished_s / 60, replays[r.request_id].accept_length) for r in rs if r.request_id in replays]
+        if fr:
+            ax.plot([a for a, _ in fr], _rolling([b for _, b in fr]), color=c, lw=1.5, ls="--",
+                    label=f"{domain}: frozen head (replay, same requests)")
+    for p in phases[1:]:
+        ax.axvline(p.start_s / 60, color="k", lw=0.8, ls="-.")
+    for p in phases:
+        ax.text((p.start_s + p.end_s) / 120, 1.0, p.domain, transform=ax.get_xaxis_transform(), ha="center", va="bottom")
+    seen = set()
+    for e in events:
+        if e.event in MARKERS:
+            color, ls = MARKERS[e.event]
+            label = None if e.event in seen else e.event.replace("_", " ")
+            seen.add(e.event)
+            ax.axvline(event_seconds(e, t0) / 60, color=color, ls=ls, lw=1.8, label=label)
+    ax.set_xlabel("minutes of traffic")
+    ax.set_ylabel("accept length (tokens per verify step)")
+    ax.set_title(title, pad=18)
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _rolling(xs: Sequence[float], n: int = 8) -> np.ndarray:
+    """Mean of the last `n` values at each point."""
+    a = np.asarray(xs, dtype=float)
+    return np.array([a[max(0, i - n + 1):i + 1].mean() for i in range(len(a))])
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
+    lines = ["# adaptive-eagle demo report", "",
+             f"{info['when']} · {info['duration_s']:.0f} s · target {info['target']} · frozen head {info['frozen_head']}"
+             f" · scenario {' → '.join(info['scenario'])} · {info['clients']} clients · {info['max_tokens']} tokens a "
+             f"request · {info['machine']}", "",
+             "## Result", "",
+             f"- drifted domain **{s['drift_domain']}**, {s['drift_window']}: accept length adapted "
+             f"**{_fmt(s['drift_accept_length_adapted'])}** vs frozen shipped head **{_fmt(s['drift_accept_length_frozen'])}**"
+             f" on the same requests ({_fmt(s['drift_gain_pct'], 2)}%)",
+             f"- requests {s['requests']}, failed **{s['failed_requests']}**; sampled responses equal to plain greedy "
+             f"decoding: {s['greedy_checks']['checked'] - s['greedy_checks']['mismatches']}/{s['greedy_checks']['checked']}",
+             f"- gate decisions: {s['candidates_considered']} candidates considered, {s['canaries']} canaries, "
+             f"{s['promotions']} promotions, {s['rollbacks']} rollbacks", "",
+             "| window | domain | requests | heads served | accept length adapted | frozen | gain % | tok/s adapted "
+             "| tok/s frozen (n) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.window} | {r.domain} | {r.requests} | {r.heads} | {_fmt(r.accept_length_adapted)} | "
+                     f"{_fmt(r.accept_length_frozen)} | {_fmt(r.gain_pct, 2)} | {_fmt(r.tokens_per_s_adapted, 1)} | "
+                     f"{_fmt(r.tokens_per_s_frozen, 1)} ({r.frozen_decoded}) |")
+    lines += ["", f"![accept length over time]({PLOT})", "", "## Gate decisions (promotions.jsonl)", ""]
+    lines += [f"- `{e.time[11:19]}` **{e.event}** {e.candidate or ''}: {e.reason}" for e in events] or ["- none"]
+    lines += ["", "## How the figures are measured", "",
+              "- Adapted: the stack as served, from each response's `adaptive_eagle` field (accept length = generated "
+              "tokens / verify steps over the window; tokens/s = mean over the window's requests).",
+              "- Frozen: the shipped head never updated, on the same requests. Accept length by acceptance replay "
+              "(trainer/replay.py) of the frozen head on each request's captured record: exact for greedy traffic "
+              "with these engine settings (no prompt lookup, no suffix drafts, no cost-aware pruning). Tokens/s from "
+              f"{s['control']['frozen_decoded']} requests decoded again in-process with the frozen head while the "
+              "traffic ran (the same machine load).",
+              "- Windows: before drift = the first phase; right after drift = the first third of the next phase; after "
+              "adaptation = its last third (by request start).",
+              f"- The frozen head's greedy text differed from the served text on {s['control']['frozen_text_differs']} "
+              "of the requests it decoded again (lossless decoding: 0 expected).",
+              "", "## Configuration", "", "```json", json.dumps(info["config"], indent=1), "```"]
+    if s["failures"]:
+        lines += ["", "## Failed requests", ""] + [f"- {f}" for f in s["failures"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, s: dict, rows: Sequence[Row], events: Sequence, info: dict, log_path: Path, plot_args: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(s, indent=1, default=str) + "\n")
+    if log_path.is_file():
+        shutil.copyfile(log_path, out / "promotions.jsonl")
+    else:
+        (out / "promotions.jsonl").write_text("")
+    plot(out / PLOT, **plot_args)
+    (out / "report.md").write_text(markdown(s, rows, events, info))
+
+
+__all__ = ["PLOT", "Row", "event_seconds", "markdown", "plot", "summary", "table", "windows", "write"]

@@ -1,0 +1,198 @@
+"""The demo as named steps: prompts → stack → control decoder → traffic with the live view → settle →
+stop → frozen replay → greedy checks → report.
+
+Owns: the order of the steps, the time budget, the state directory's lifetime and the exit status
+(non-zero when a request failed or a sampled response differs from plain greedy decoding). Must not
+touch: what each step does (config, traffic, control, view and report own that).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from adaptive_eagle_cli.demo import control, report
+from adaptive_eagle_cli.demo.config import ENGINE, MODEL_NAME, DemoConfig, demo_stack_config, phase_plan
+from adaptive_eagle_cli.demo.traffic import PromptCycle, Traffic, jsonl_pools, sharegpt_pools
+from adaptive_eagle_cli.demo.view import LiveStats, LiveView, LogTail
+
+
+@dataclass(frozen=True)
+class DemoOutcome:
+    summary: dict
+    out: Path
+    exit_code: int  # 0: no failed request and every sampled response equal to plain greedy decoding
+
+
+def prompt_pools(cfg: DemoConfig, per_domain: int) -> dict:
+    if cfg.prompts is not None:
+        return jsonl_pools(cfg.prompts, cfg.seed)
+    return sharegpt_pools(cfg.scenario, per_domain, cfg.max_prompt_chars, cfg.seed)
+
+
+def scenario_of(cfg: DemoConfig, pools: dict) -> tuple[str, ...]:
+    """The phases' domains: the scenario's, or with --prompts the file's domains (scenario order first)."""
+    if cfg.prompts is None:
+        return cfg.scenario
+    return tuple([d for d in cfg.scenario if d in pools] + [d for d in pools if d not in cfg.scenario])
+
+
+def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, tty: Optional[bool] = None) -> DemoOutcome:
+    from serving.stack import LocalStack
+
+    t_start = time.monotonic()
+    out = Path(cfg.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    state = Path(cfg.state_dir).expanduser() if cfg.state_dir else Path(tempfile.mkdtemp(prefix="adaptive-eagle-demo-"))
+    echo("loading prompts ...")
+    pools = prompt_pools(cfg, 40 if cfg.quick else 400)
+    scenario = scenario_of(cfg, pools)
+    stack_cfg = demo_stack_config(cfg, str(state))
+    stack = LocalStack(stack_cfg, echo=echo)
+    try:
+        echo("starting the stack (Ray, store, replica, trainer, policy, gateway; loading the target) ...")
+        info = stack.start()
+        for line in info.lines():
+            echo("  " + line)
+        result = _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty)
+    finally:
+        stack.stop()
+        if cfg.state_dir is None and not cfg.keep_state:
+            shutil.rmtree(state, ignore_errors=True)
+    return _finish(cfg, out, stack_cfg, result, t_start, echo)
+
+
+@dataclass(frozen=True)
+class _Run:
+    results: list
+    phases: tuple
+    control: list
+    control_errors: list
+    t0: float
+    frozen: str
+    target: object
+    frozen_head: object
+    plain_server: object
+    trainer_status: Optional[dict]
+    trainer_events: list
+    log_path: Path
+    store: object
+
+
+def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _Run:
+    from adaptive_eagle.targets import load_target
+
+    echo("loading the target in this process (frozen-head control, greedy checks) ...")
+    target = load_target(stack.config.serving.target, device=stack.config.serving.device)
+    frozen = info.champion
+    frozen_head = stack.registry.load(frozen, target, device=target.device)
+    decoder = control.FrozenDecoder(control.decode_server(target, frozen_head, ENGINE), cfg.control_every,
+                                    cfg.max_tokens)
+    startup = time.monotonic() - t_start
+    phases = phase_plan(scenario, cfg.traffic_s(startup), cfg.first_phase_share)
+    stats = LiveStats()
+
+    def on_result(r) -> None:
+        stats.add(r)
+        decoder.offer(r)
+
+    traffic = Traffic(info.endpoint, MODEL_NAME, phases, PromptCycle(pools), cfg.clients, cfg.max_tokens, cfg.think_s,
+                      on_result)
+    view = LiveView(stats, Path(info.promotion_log), lambda: _trainer_status(stack), traffic.elapsed,
+                    lambda t: _phase_name(traffic, t), 10.0 if cfg.quick else 20.0, echo, tty)
+    echo(f"traffic: {' → '.join(f'{p.domain} {p.end_s - p.start_s:.0f}s' for p in phases)}, {cfg.clients} clients, "
+         f"greedy, {cfg.max_tokens} tokens a request (start-up took {startup:.0f}s)")
+    traffic.t0 = time.time()
+    view.start()
+    try:
+        traffic.run()
+        _settle(cfg, Path(info.promotion_log), t_start, echo)
+    except KeyboardInterrupt:
+        traffic.stop.set()
+        echo("interrupted: finishing the report on what ran")
+    finally:
+        view.close()
+    decoder.close()
+    status = _trainer_status(stack, timeout_s=30)
+    events = _trainer_events(stack)
+    return _Run(stats.snapshot(), phases, list(decoder.samples), list(decoder.errors), traffic.t0, frozen, target,
+                frozen_head, control.decode_server(target, None, ENGINE), status, events, Path(info.promotion_log),
+                stack.config.store_config)
+
+
+def _phase_name(traffic: Traffic, t: float) -> str:
+    i = traffic.phase_at(t)
+    return traffic.phases[i].domain if i is not None else "closing"
+
+
+def _trainer_status(stack, timeout_s: float = 5.0) -> Optional[dict]:
+    if stack.trainer is None:
+        return None
+    import ray
+
+    try:
+        return ray.get(stack.trainer.status.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a trainer busy in a step answers on the next poll
+        return None
+
+
+def _trainer_events(stack) -> list:
+    if stack.trainer is None:
+        return []
+    import ray
+
+    try:
+        return ray.get(stack.trainer.events.remote(200), timeout=30)
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _settle(cfg: DemoConfig, log_path: Path, t_start: float, echo) -> None:
+    """--quick: after the traffic, give the trainer (no longer yielding) time to write a candidate and the
+    policy time to consider it, within the budget."""
+    if not cfg.quick:
+        return
+    tail = LogTail(log_path)
+    deadline = t_start + cfg.budget_s - 30.0
+    echo("settling: waiting for the trainer's candidate to reach the gates ...")
+    while time.monotonic() < deadline:
+        tail.poll()
+        if any(e.event == "considered" for e in tail.events):
+            time.sleep(2.0)  # let the decision that follows land in the log too
+            return
+        time.sleep(1.0)
+    echo("settling: no candidate reached the gates within the budget")
+
+
+def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, echo) -> DemoOutcome:
+    echo(f"scoring the frozen head {run.frozen} on the captured records (acceptance replay) ...")
+    replays = control.replay_frozen(run.store, run.results, run.target, run.frozen_head, ENGINE)
+    echo(f"checking {cfg.greedy_checks} responses against plain greedy decoding ...")
+    checks = control.greedy_checks(run.plain_server, run.results, cfg.greedy_checks, cfg.max_tokens)
+    tail = LogTail(run.log_path)
+    tail.poll()
+    rows = report.table(run.results, run.phases, replays, run.control)
+    extra = {"frozen_head": run.frozen, "replayed_requests": len(replays), "trainer": run.trainer_status,
+             "trainer_events": run.trainer_events[-40:], "control_errors": run.control_errors,
+             "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1)}
+    s = report.summary(rows, run.results, tail.events, checks, run.control, extra)
+    info = {"when": time.strftime("%Y-%m-%d %H:%M"), "duration_s": extra["duration_s"],
+            "target": stack_cfg.serving.target, "frozen_head": run.frozen, "scenario": [p.domain for p in run.phases],
+            "clients": cfg.clients, "max_tokens": cfg.max_tokens,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+            "config": {"demo": cfg.model_dump(mode="json"), "engine": ENGINE,
+                       "trainer": stack_cfg.trainer.inner_fields(), "policy": stack_cfg.policy.inner_fields()}}
+    report.write(out, s, rows, tail.events, info, run.log_path,
+                 {"results": run.results, "replays": replays, "phases": run.phases, "events": tail.events,
+                  "t0": run.t0, "title": f"accept length per domain: adapted stack vs frozen {run.frozen}"})
+    bad = s["failed_requests"] > 0 or s["greedy_checks"]["mismatches"] > 0 or not run.results
+    return DemoOutcome(s, out, 1 if bad else 0)
+
+
+__all__ = ["DemoOutcome", "prompt_pools", "run_demo", "scenario_of"]

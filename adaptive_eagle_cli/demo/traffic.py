@@ -1,0 +1,219 @@
+"""The demo's traffic: real prompts whose mix drifts by phases, sent by concurrent `openai` clients.
+
+Owns: the prompt pools (ShareGPT first user turns of the training split, per domain; the agent-style
+workload of bench/workloads.py; or a user's JSONL file), the clients (greedy requests through the
+OpenAI endpoint, each request's domain in `metadata`), and `RequestResult`, one per request, failures
+included (an exception, a non-200 answer, an empty completion). Must not touch: the stack, the report.
+
+The held-out split of ShareGPT is never sent: it is what offline evaluations score heads on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from adaptive_eagle_cli.demo.config import Phase
+
+SHAREGPT_DOMAINS = ("english", "code", "math")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    messages: tuple  # ({"role", "content"}, ...)
+    domain: str
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    index: int  # order in which requests were sent
+    client: int
+    domain: str
+    phase: int  # index into the phase plan
+    started_s: float  # seconds after traffic began
+    finished_s: float
+    prompt: Prompt
+    ok: bool
+    error: str = ""
+    request_id: str = ""  # the response id = the trace's request_id in the store
+    text: str = ""
+    completion_tokens: int = 0
+    head_version: str = ""
+    accept_length: float = 0.0  # tokens per verify step, bonus included
+    verify_steps: int = 0
+    tokens_per_s: float = 0.0
+    captured: str = ""
+
+
+# ---- prompt pools ---------------------------------------------------------------------------------
+def sharegpt_pools(domains: Sequence[str], per_domain: int, max_chars: int, seed: int) -> dict[str, list[Prompt]]:
+    """Up to `per_domain` prompts for each of `domains` (english, code, math, agent) from ShareGPT's training
+    split, shuffled with `seed`. Reads the file only as far as it needs to."""
+    from trainer.data import load_sharegpt, select
+
+    wanted = {d for d in domains if d in SHAREGPT_DOMAINS} | ({"english"} if "agent" in domains else set())
+    texts: dict[str, list[str]] = {d: [] for d in wanted}
+    agent_convs: list = []
+    for conv in select(load_sharegpt(), domains=sorted(wanted), split="train"):
+        first = next((m.content for m in conv.messages if m.role == "user"), "")
+        if conv.domain == "english" and "agent" in domains and len(agent_convs) < 4 * per_domain:
+            agent_convs.append(conv)
+        if 20 <= len(first) <= max_chars and len(texts[conv.domain]) < per_domain:
+            texts[conv.domain].append(first)
+        if all(len(texts[d]) >= per_domain for d in wanted) and ("agent" not in domains
+                                                                 or len(agent_convs) >= 4 * per_domain):
+            break
+    pools = {d: [Prompt(({"role": "user", "content": t},), d) for t in texts[d]] for d in domains if d in texts}
+    if "agent" in domains:
+        workloads = bench_workloads()
+        n = min(per_domain, len(agent_convs) // 3)
+        pools["agent"] = [Prompt(tuple(m), "agent") for m in workloads.agent_prompts(agent_convs, n, seed=seed)]
+    rng = random.Random(seed)
+    for d, pool in pools.items():
+        if not pool:
+            raise ValueError(f"ShareGPT gave no {d} prompts of 20..{max_chars} characters (raise --max-prompt-chars)")
+        rng.shuffle(pool)
+    return pools
+
+
+def bench_workloads():
+    """bench/workloads.py (the agent-style workload) loaded from the source tree: bench/ is not an installed
+    package. A clear error where the tree does not have it."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "workloads.py"
+    if not path.is_file():
+        raise ValueError(f"the agent scenario needs {path} (the source tree's bench/workloads.py)")
+    spec = importlib.util.spec_from_file_location("adaptive_eagle_bench_workloads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def jsonl_pools(path: str, seed: int) -> dict[str, list[Prompt]]:
+    """A user's prompts: one JSON object a line, {"prompt": "..."} or {"messages": [{role, content}, ...]},
+    with an optional "domain" (default "custom"). Pools keep file order; errors name the line."""
+    pools: dict[str, list[Prompt]] = {}
+    with open(Path(path).expanduser(), encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            prompt = _prompt_of(raw)
+            if prompt is None:
+                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": text}} or {{\"messages\": [{{role, "
+                                 "content}, ...]}}, with an optional \"domain\"")
+            pools.setdefault(prompt.domain, []).append(prompt)
+    if not pools:
+        raise ValueError(f"{path}: no prompts")
+    return pools
+
+
+def _prompt_of(raw) -> Optional[Prompt]:
+    if not isinstance(raw, dict):
+        return None
+    domain = str(raw.get("domain") or "custom")
+    if isinstance(raw.get("prompt"), str) and raw["prompt"].strip():
+        return Prompt(({"role": "user", "content": raw["prompt"]},), domain)
+    msgs = raw.get("messages")
+    if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                               and m.get("role") in ("system", "user", "assistant") for m in msgs):
+        return Prompt(tuple({"role": m["role"], "content": m["content"]} for m in msgs), domain)
+    return None
+
+
+class PromptCycle:
+    """Prompts of each domain in pool order, starting over when a pool runs out (thread-safe)."""
+
+    def __init__(self, pools: dict[str, list[Prompt]]) -> None:
+        self.pools = pools
+        self.next = {d: 0 for d in pools}
+        self.lock = threading.Lock()
+
+    def take(self, domain: str) -> Prompt:
+        with self.lock:
+            pool = self.pools[domain]
+            prompt = pool[self.next[domain] % len(pool)]
+            self.next[domain] += 1
+            return prompt
+
+
+# ---- clients -------------------------------------------------------------------------------------
+@dataclass
+class Traffic:
+    """Concurrent clients sending greedy requests until the phase plan ends or `stop` is set."""
+
+    endpoint: str
+    model: str
+    phases: tuple[Phase, ...]
+    prompts: PromptCycle
+    clients: int
+    max_tokens: int
+    think_s: float
+    on_result: Callable[[RequestResult], None]
+    stop: threading.Event = field(default_factory=threading.Event)
+    t0: float = 0.0
+    _count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self) -> None:
+        """Blocks until every client finished its last request."""
+        self.t0 = time.time()
+        threads = [threading.Thread(target=self._client, args=(i,), name=f"demo-client-{i}", daemon=True)
+                   for i in range(self.clients)]
+        for i, t in enumerate(threads):
+            t.start()
+            self.stop.wait(min(1.0, self.think_s))  # stagger the clients a little
+        for t in threads:
+            t.join()
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def phase_at(self, t: float) -> Optional[int]:
+        return next((i for i, p in enumerate(self.phases) if p.start_s <= t < p.end_s), None)
+
+    def _client(self, client_id: int) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=self.endpoint, api_key="demo", max_retries=0, timeout=900)
+        while not self.stop.is_set():
+            started = self.elapsed()
+            phase = self.phase_at(started)
+            if phase is None:
+                return
+            with self._lock:
+                index, self._count = self._count, self._count + 1
+            prompt = self.prompts.take(self.phases[phase].domain)
+            self.on_result(self._send(client, client_id, index, phase, started, prompt))
+            if self.think_s:
+                self.stop.wait(self.think_s)
+
+    def _send(self, client, client_id: int, index: int, phase: int, started: float, prompt: Prompt) -> RequestResult:
+        base = dict(index=index, client=client_id, domain=prompt.domain, phase=phase, started_s=started, prompt=prompt)
+        try:
+            resp = client.chat.completions.create(model=self.model, messages=list(prompt.messages), temperature=0,
+                                                  max_tokens=self.max_tokens, metadata={"domain": prompt.domain})
+        except Exception as e:  # noqa: BLE001 - every failure is counted and reported, never raised
+            return RequestResult(**base, finished_s=self.elapsed(), ok=False, error=f"{type(e).__name__}: {e}"[:300])
+        spec = getattr(resp, "adaptive_eagle", None) or {}
+        text = resp.choices[0].message.content if resp.choices else None
+        tokens = resp.usage.completion_tokens if resp.usage else 0
+        ok, error = bool(text) and tokens > 0 and bool(spec), ""
+        if not ok:
+            error = "empty completion" if not text else "no adaptive_eagle metrics in the response"
+        return RequestResult(**base, finished_s=self.elapsed(), ok=ok, error=error, request_id=resp.id,
+                             text=text or "", completion_tokens=tokens, head_version=str(spec.get("head_version", "")),
+                             accept_length=float(spec.get("accept_length", 0.0)),
+                             verify_steps=int(spec.get("verify_steps", 0)),
+                             tokens_per_s=float(spec.get("tokens_per_s", 0.0)), captured=str(spec.get("captured", "")))
+
+
+__all__ = ["Prompt", "PromptCycle", "RequestResult", "Traffic", "bench_workloads", "jsonl_pools", "sharegpt_pools"]
