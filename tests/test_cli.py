@@ -43,7 +43,7 @@ def test_no_arguments_shows_help(runner):
         ("eval-head", ["--target", "--domains", "--convs", "--max-len", "--update-meta", "--json"]),
         ("export-head", ["--format"]),
         ("import-head", ["--target"]),
-        ("demo", []),
+        ("demo", ["--minutes", "--out", "--scenario", "--prompts", "--clients", "--quick"]),
     ],
 )
 def test_command_help(runner, command, options):

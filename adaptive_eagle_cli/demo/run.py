@@ -55,17 +55,27 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, tty: Optional
     scenario = scenario_of(cfg, pools)
     stack_cfg = demo_stack_config(cfg, str(state))
     stack = LocalStack(stack_cfg, echo=echo)
+    run = None
     try:
         echo("starting the stack (Ray, store, replica, trainer, policy, gateway; loading the target) ...")
         info = stack.start()
         for line in info.lines():
             echo("  " + line)
-        result = _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty)
+        run = _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty)
     finally:
+        echo("stopping the stack ...")
         stack.stop()
-        if cfg.state_dir is None and not cfg.keep_state:
-            shutil.rmtree(state, ignore_errors=True)
-    return _finish(cfg, out, stack_cfg, result, t_start, echo)
+        if run is None:  # failed or interrupted before the traffic ended: nothing to report
+            _drop_state(cfg, state)
+    try:
+        return _finish(cfg, out, stack_cfg, run, t_start, echo)  # reads the store: the state goes afterwards
+    finally:
+        _drop_state(cfg, state)
+
+
+def _drop_state(cfg: DemoConfig, state: Path) -> None:
+    if cfg.state_dir is None and not cfg.keep_state:
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @dataclass(frozen=True)

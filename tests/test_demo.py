@@ -1,0 +1,113 @@
+"""`adaptive-eagle demo`: its options and report pieces (fast), and ONE short end-to-end run on the real
+SmolLM2-135M target (slow): the stack serves drifting ShareGPT traffic through the openai client, a
+candidate reaches the gates, and the report holds the log, the plot, the table and greedy-equal samples."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError, demo_stack_config, phase_plan
+from adaptive_eagle_cli.demo.control import ControlSample
+from adaptive_eagle_cli.demo.report import summary, table
+from adaptive_eagle_cli.demo.traffic import Prompt, RequestResult, jsonl_pools
+from trainer.replay import RecordReplay
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY_KEYS = {"drift_accept_length_adapted", "drift_accept_length_frozen", "failed_requests", "promotions"}
+
+
+def test_options_are_range_checked_and_errors_name_the_option(tmp_path):
+    cfg = DemoConfig.make(scenario="english, code,math", minutes=2)
+    assert cfg.scenario == ("english", "code", "math") and cfg.budget_s == 120
+    for fields, named in [({"scenario": "english,klingon"}, "--scenario"), ({"clients": 0}, "--clients"),
+                          ({"minutes": 0.1}, "--minutes"), ({"scenario": "code,code"}, "--scenario"),
+                          ({"prompts": str(tmp_path / "missing.jsonl")}, "no such file")]:
+        with pytest.raises(DemoConfigError, match=named):
+            DemoConfig.make(**fields)
+    from adaptive_eagle_cli import app
+
+    res = CliRunner().invoke(app, ["demo", "--clients", "99"])
+    assert res.exit_code == 2 and "--clients" in res.output and "[1, 16]" in res.output
+
+
+def test_the_phase_plan_gives_the_baseline_its_share_and_splits_the_rest():
+    phases = phase_plan(("english", "code", "math"), 100.0, 0.2)
+    assert [(p.domain, p.start_s, p.end_s) for p in phases] == [("english", 0, 20), ("code", 20, 60), ("math", 60, 100)]
+    assert phase_plan(("code",), 50.0, 0.3)[0].end_s == 50.0
+
+
+def test_the_stack_config_turns_the_loop_within_minutes(tmp_path):
+    cfg = demo_stack_config(DemoConfig.make(quick=True), str(tmp_path))
+    engine = cfg.serving.engine
+    assert not (engine.cost_aware or engine.prompt_lookup or engine.suffix_drafting)  # replay is exact
+    assert cfg.serving.capture.fraction == 1.0 and cfg.trainer.yield_queue_depth == 1
+    assert cfg.nearline_config().positions == "all" and cfg.registry.seed_head.endswith("english-v2")
+    assert cfg.policy.gates().min_samples == 20
+
+
+def test_user_prompts_keep_their_domains_and_bad_lines_are_named(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello there", "domain": "chat"}\n\n'
+                    '{"messages": [{"role": "user", "content": "def f(): pass"}], "domain": "code"}\n'
+                    '{"prompt": "no domain"}\n')
+    pools = jsonl_pools(str(path), 0)
+    assert {d: len(p) for d, p in pools.items()} == {"chat": 1, "code": 1, "custom": 1}
+    path.write_text('{"prompt": "ok"}\n{"text": "wrong key"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:2"):
+        jsonl_pools(str(path), 0)
+
+
+def result(i, phase, domain, started, tokens=10, steps=5, head="v1"):
+    return RequestResult(index=i, client=0, domain=domain, phase=phase, started_s=started, finished_s=started + 1,
+                         prompt=Prompt(({"role": "user", "content": "x"},), domain), ok=True, request_id=f"r{i}",
+                         text="t", completion_tokens=tokens, head_version=head, accept_length=tokens / steps,
+                         verify_steps=steps, tokens_per_s=20.0)
+
+
+def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests():
+    phases = phase_plan(("english", "code"), 90.0, 1 / 3)  # english 0-30, code 30-90 (thirds: 30-50, 70-90)
+    results = [result(0, 0, "english", 5), result(1, 1, "code", 35, 8, 8), result(2, 1, "code", 75, 12, 6, "nl-1"),
+               RequestResult(index=3, client=1, domain="code", phase=1, started_s=80, finished_s=81,
+                             prompt=Prompt((), "code"), ok=False, error="APIConnectionError: boom")]
+    replays = {"r0": RecordReplay("r0", "english", (1, 1, 0, 0, 0)),  # 7 tokens / 5 steps
+               "r1": RecordReplay("r1", "code", (0,) * 8), "r2": RecordReplay("r2", "code", (0, 1, 0, 1, 0, 0))}
+    control = [ControlSample("r2", "code", 1, 76, 15.0, 1.3, True)]
+    rows = table(results, phases, replays, control)
+    assert [(r.window, r.domain, r.requests) for r in rows] == [
+        ("before drift", "english", 1), ("right after drift", "code", 1), ("after adaptation", "code", 1)]
+    after = rows[2]
+    assert after.accept_length_adapted == 2.0 and after.accept_length_frozen == pytest.approx(8 / 6, abs=1e-4)
+    assert after.tokens_per_s_frozen == 15.0 and after.frozen_decoded == 1 and after.heads == "nl-1"
+    s = summary(rows, results, [], [], control, {})
+    assert SUMMARY_KEYS <= set(s) and s["failed_requests"] == 1 and s["drift_accept_length_adapted"] == 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(330)
+def test_a_quick_demo_runs_the_loop_end_to_end(tmp_path):
+    """The real target, --quick: about three minutes here. Not a TTY, so the view prints plain lines."""
+    out = tmp_path / "report"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "adaptive_eagle_cli", "demo", "--quick", "--out", str(out),
+                           "--minutes", "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=320)
+    took = time.monotonic() - t0
+    output = proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, output
+    s = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(s) and s["failed_requests"] == 0, output
+    assert s["requests"] >= 4 and s["drift_accept_length_frozen"] is not None, s
+    log = [json.loads(line) for line in (out / "promotions.jsonl").read_text().splitlines() if line.strip()]
+    assert any(e["event"] == "considered" for e in log), (log, s.get("trainer_events"))  # a candidate met the gates
+    checks = s["greedy_checks"]
+    assert checks["checked"] >= 2 and checks["mismatches"] == 0, checks  # served text == plain greedy decoding
+    assert (out / "accept_length.png").stat().st_size > 10_000 and "| after adaptation | code |" in \
+        (out / "report.md").read_text()
+    assert "accept length by domain" in proc.stdout  # the plain (non-TTY) live view
+    assert took < 300, took
