@@ -115,6 +115,12 @@ class GatewayFleet:
 
     async def aswap(self, version: str) -> list[SwapResult]:
         """Every replica serves `version` ("none" = plain decoding); the canary, if any, ends."""
+        try:
+            return await self._aswap(version)
+        finally:
+            await self.router.fleet_changed()  # waiting requests re-check which replicas may serve them
+
+    async def _aswap(self, version: str) -> list[SwapResult]:
         async with self._swap_lock:
             if self.in_replica_canary and self.router.canary is not None:
                 await self._end_in_replica_canary()
@@ -150,6 +156,12 @@ class GatewayFleet:
         module docstring); None ends the canary. Raises ValueError when it cannot be set."""
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        try:
+            return await self._aset_canary(version, fraction)
+        finally:
+            await self.router.fleet_changed()
+
+    async def _aset_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
         async with self._swap_lock:
             if self.in_replica_canary:
                 return await self._in_replica_canary(version, fraction)

@@ -128,11 +128,22 @@ class Router:
             if head not in self.serving_versions():
                 raise NoReplica(f"no replica serves head {head!r}; serving: {', '.join(self.serving_versions())}")
             return lambda s: s.version == head
-        if canary is None or canary.version not in self.serving_versions():
-            return lambda s: True
-        if self._rng.random() < canary.fraction:
-            return lambda s: s.version == canary.version
-        return lambda s: s.version != canary.version
+        # the canary draw is fixed per request, but eligibility is re-read against the live canary each
+        # time a waiting request wakes: a promotion or an ended canary while it waits must not strand it
+        to_canary = self._rng.random() < (canary.fraction if canary is not None else 0.0)
+
+        def eligible(s: Slot) -> bool:
+            live = self.canary
+            if live is None or live.version not in self.serving_versions():
+                return True
+            return (s.version == live.version) == to_canary
+
+        return eligible
+
+    async def fleet_changed(self) -> None:
+        """Wake every waiting request to re-check which replicas may serve it (after a swap or a canary change)."""
+        async with self._cond:
+            self._cond.notify_all()
 
     def _free(self, eligible) -> Optional[Slot]:
         return next((s for s in self.slots if eligible(s) and not s.busy), None)

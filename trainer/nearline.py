@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import pyarrow as pa
 import torch
 
 from adaptive_eagle.atomic import staging_dir
@@ -43,10 +42,11 @@ from trainer.buffer import ReplayBuffer, replay_rows
 from trainer.config import NearlineConfig
 from trainer.drift import DriftMonitor
 from trainer.moe import MoEGrowth, candidate_meta
-from trainer.replay import ReplayScore, replay_heads
-from trainer.state import read_state, restore_optimizer, write_state
+from trainer.replay import ReplayScore, replay_heads, replay_metrics
+from trainer.state import POOL_FILE, read_pool, read_state, restore_optimizer, write_pool, write_state
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
 from trainer.traffic import TrafficRow, make_traffic_batch, row_from_record
+from trainer.warm_start import head_from_traffic
 
 log = logging.getLogger(__name__)
 
@@ -338,22 +338,13 @@ class NearlineTrainer:
 
     def _maybe_cold_start(self) -> None:
         """Champion 'none' and no base head: build a head from the traffic's own tokens."""
-        from collections import Counter
-
-        from trainer.warm_start import build_draft_vocab, new_head, size_for_coverage, warm_start
-
         records = [r for _, r in self.fresh] + [r for pool in self.heldout.values() for r in pool]
         if len(records) < self.cfg.cold_start_records:
             return
-        counts = Counter(t for r in records for t in r.input_ids)
-        vocab_size = self.target.config.vocab_size
-        size = size_for_coverage(counts, 0.97, multiple=min(1024, vocab_size), cap=vocab_size)
-        vocab = build_draft_vocab(counts, size, vocab_size)
-        head = new_head(self.target, vocab, seed=self.cfg.seed)
-        warm_start(head, self.target)
+        head, vocab = head_from_traffic(self.target, [r.input_ids for r in records], seed=self.cfg.seed)
         self._set_head(head.float().train())
-        self._note(f"cold start: new head with a {size}-token draft vocabulary from {len(records)} records "
-                   f"({vocab.coverage:.1%} coverage)")
+        self._note(f"cold start: new head with a {vocab.target_ids.numel()}-token draft vocabulary from "
+                   f"{len(records)} records ({vocab.coverage:.1%} coverage)")
 
     # ---- checkpoint and ack ------------------------------------------------------------------------
     def checkpoint(self) -> None:
@@ -365,24 +356,14 @@ class NearlineTrainer:
                         "seen_requests": list(self.seen_requests),
                         "moe": self.moe.state() if self.moe is not None else None}
                 write_state(d, self.head, self.opt, meta)
-                self._write_pool(d / "pool.arrow")
+                heldout = [(d_, encode_record(r, self.cfg.store.codec)) for d_, pool in self.heldout.items()
+                           for r in pool]
+                write_pool(d / POOL_FILE, self.buffer.items(), heldout)
         if self.done_ids:
             self.reader.ack(self.done_ids)
             self.held_ids.difference_update(self.done_ids)
             self.done_ids = []
         self._last_checkpoint = time.monotonic()
-
-    def _write_pool(self, path: Path) -> None:
-        roles, domains, payloads = [], [], []
-        for d, p in self.buffer.items():
-            roles.append("replay"), domains.append(d), payloads.append(p)
-        for d, pool in self.heldout.items():
-            for rec in pool:
-                roles.append("heldout"), domains.append(d), payloads.append(encode_record(rec, self.cfg.store.codec))
-        table = pa.table({"role": pa.array(roles, pa.string()), "domain": pa.array(domains, pa.string()),
-                          "payload": pa.array(payloads, pa.binary())})
-        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-            w.write_table(table)
 
     def _resume(self, champion: str) -> bool:
         """Restore the checkpoint if it was trained from the current champion; False otherwise."""
@@ -404,13 +385,10 @@ class NearlineTrainer:
             self.moe.restore(meta.get("moe"))
         for rid in meta.get("seen_requests", []):
             self._remember(rid)
-        table = pa.ipc.open_file(pa.memory_map(str(d / "pool.arrow"))).read_all().to_pylist()
-        self.buffer.restore([(r["domain"], r["payload"], len(r["payload"])) for r in table if r["role"] == "replay"],
-                            meta.get("buffer_seen", {}))
-        for r in table:
-            if r["role"] == "heldout":
-                rec = decode_record(r["payload"])
-                self.heldout.setdefault(r["domain"], deque(maxlen=self.cfg.heldout_per_domain)).append(rec)
+        replay, heldout = read_pool(d / POOL_FILE)
+        self.buffer.restore([(dom, p, len(p)) for dom, p in replay], meta.get("buffer_seen", {}))
+        for dom, p in heldout:
+            self.heldout.setdefault(dom, deque(maxlen=self.cfg.heldout_per_domain)).append(decode_record(p))
         self._note(f"resumed from checkpoint: step {self.counters['steps']}, "
                    f"{self.counters['tokens_trained']} tokens trained")
         return True
@@ -451,7 +429,7 @@ class NearlineTrainer:
                                       "tokens": self.counters["tokens_trained"], "lr": self.cfg.lr,
                                       "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio,
                                       **moe_training},
-                            metrics={"replay": self._replay_metrics(score, champ, skipped), **moe_metrics})
+                            metrics={"replay": replay_metrics(score, champ, self.base, self.cfg.tree, skipped), **moe_metrics})
         self.registry.register(cand, meta)
         self.counters["candidates"].append(name)
         self._tokens_at_candidate = self.counters["tokens_trained"]
@@ -459,18 +437,6 @@ class NearlineTrainer:
         gain = f" vs champion {champ.mean:.3f}" if champ is not None else " vs plain decoding 1.000"
         self._note(f"candidate {name}: replayed accept length {score.mean:.3f}{gain} on {len(score.records)} records")
         return name
-
-    def _replay_metrics(self, score: ReplayScore, champ: ReplayScore | None, skipped: dict) -> dict:
-        champ_name = self.base
-        champ_samples = (champ.samples(champ_name) if champ is not None
-                         else [{**s, "accept_length": 1.0, "head_version": PLAIN} for s in score.samples(PLAIN)])
-        return {"records": len(score.records), "skipped": skipped, "tree": self.cfg.tree.__dict__,
-                "candidate": score.summary(), "champion": champ.summary() if champ is not None else None,
-                "champion_version": champ_name,
-                "samples": {"candidate": [[s["request_id"], s["domain"], round(s["accept_length"], 4)]
-                                          for s in score.samples("candidate")],
-                            "champion": [[s["request_id"], s["domain"], round(s["accept_length"], 4)]
-                                         for s in champ_samples]}}
 
     def _candidate_name(self) -> str:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())

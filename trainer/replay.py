@@ -220,5 +220,20 @@ def replay_heads(heads: dict[str, Eagle3DraftHead], records: Sequence[TraceRecor
     return ReplayReport({name: ReplayScore(tuple(rs)) for name, rs in per_head.items()}, skipped)
 
 
+def replay_metrics(candidate: ReplayScore, champion: ReplayScore | None, champion_version: str, tree: TreeParams,
+                   skipped: dict) -> dict:
+    """What a candidate's head.json records of its replay: both summaries and the per-record samples
+    ([request_id, domain, accept_length]) the policy's offline gate pairs by request id. With no
+    champion head (plain decoding, "none"), every record scores 1.0 for the champion."""
+    champ = (champion.samples(champion_version) if champion is not None
+             else [{**s, "accept_length": 1.0, "head_version": "none"} for s in candidate.samples("none")])
+    row = lambda s: [s["request_id"], s["domain"], round(s["accept_length"], 4)]  # noqa: E731
+    return {"records": len(candidate.records), "skipped": skipped, "tree": tree.__dict__,
+            "candidate": candidate.summary(), "champion": champion.summary() if champion is not None else None,
+            "champion_version": champion_version,
+            "samples": {"candidate": [row(s) for s in candidate.samples("candidate")],
+                        "champion": [row(s) for s in champ]}}
+
+
 __all__ = ["ALPHA_POSITIONS", "RecordReplay", "ReplayReport", "ReplayScore", "TreeParams", "accepted_along",
-           "record_aux", "replay_heads", "replay_record"]
+           "record_aux", "replay_heads", "replay_metrics", "replay_record"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -19,6 +20,7 @@ from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
 from adaptive_eagle.targets import Target
 
 STATE_FILES = ("head.safetensors", "optimizer.safetensors", "trainer.json")
+POOL_FILE = "pool.arrow"  # the near-line trainer's replay buffer and held-out records (encoded trace records)
 
 
 def write_state(d: Path, head: Eagle3DraftHead, opt: torch.optim.Optimizer, meta: dict) -> None:
@@ -57,4 +59,21 @@ def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict, meta: dict) -> 
     opt.load_state_dict(sd)
 
 
-__all__ = ["STATE_FILES", "read_state", "restore_optimizer", "write_state"]
+def write_pool(path: Path, replay: list[tuple[str, bytes]], heldout: list[tuple[str, bytes]]) -> None:
+    """(domain, encoded trace record) pairs of the replay buffer and the held-out pool, as one Arrow file."""
+    rows = [("replay", d, p) for d, p in replay] + [("heldout", d, p) for d, p in heldout]
+    table = pa.table({"role": pa.array([r[0] for r in rows], pa.string()),
+                      "domain": pa.array([r[1] for r in rows], pa.string()),
+                      "payload": pa.array([r[2] for r in rows], pa.binary())})
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+
+
+def read_pool(path: Path) -> tuple[list[tuple[str, bytes]], list[tuple[str, bytes]]]:
+    """(replay, heldout) as written by `write_pool`."""
+    rows = pa.ipc.open_file(pa.memory_map(str(path))).read_all().to_pylist()
+    pick = lambda role: [(r["domain"], r["payload"]) for r in rows if r["role"] == role]  # noqa: E731
+    return pick("replay"), pick("heldout")
+
+
+__all__ = ["POOL_FILE", "STATE_FILES", "read_pool", "read_state", "restore_optimizer", "write_pool", "write_state"]

@@ -140,3 +140,18 @@ def warm_start(head: Eagle3DraftHead, target: Target, layer: int | None = None, 
     w[:, block * cfg.target_hidden_size : (block + 1) * cfg.target_hidden_size] += torch.eye(h, cfg.target_hidden_size)
     copied += [f"fc<-identity(aux {cfg.aux_layer_ids[block]})"]
     return {"mode": mode, "from_layer": layer, "copied": copied}
+
+
+def head_from_traffic(target: Target, sequences, *, coverage: float = 0.97, seed: int = 0):
+    """(a new warm-started head, its DraftVocab) for a fleet that starts from plain decoding: the draft
+    vocabulary is the smallest set of the traffic's most frequent tokens covering `coverage` of them."""
+    from collections import Counter
+
+    counts = Counter(t for ids in sequences for t in ids)
+    vocab_size = target.config.vocab_size
+    size = size_for_coverage(counts, coverage, multiple=min(1024, vocab_size), cap=vocab_size)
+    vocab = build_draft_vocab(counts, size, vocab_size)
+    head = new_head(target, vocab, seed=seed)
+    warm_start(head, target)
+    return head, vocab
+

@@ -1,0 +1,33 @@
+"""The router re-checks a waiting request's eligible replicas after a fleet change: a request queued
+for "not the canary" is served once the canary is promoted to every replica, instead of timing out."""
+
+import asyncio
+
+from serving.router import Canary, Router
+
+
+class _Replica:
+    name = "r"
+
+
+def test_a_request_waiting_across_a_promotion_is_served():
+    async def scenario():
+        a, b = _Replica(), _Replica()
+        router = Router([a, b], ["v1", "v2"], queue_size=4, wait_timeout_s=2.0)
+        router.canary = Canary("v2", 0.0)  # every new request goes to the champion's replica (v1)
+        async with router.lease() as first:
+            assert first.version == "v1"
+            waiter = asyncio.create_task(_lease_version(router))
+            await asyncio.sleep(0.05)
+            assert not waiter.done()  # v1's replica is busy; v2's is the canary's
+            router.set_version(a, "v2")  # promotion: both replicas serve v2, the canary ends
+            router.canary = None
+            await router.fleet_changed()
+            assert await asyncio.wait_for(waiter, 1.0) == "v2"
+
+    asyncio.run(scenario())
+
+
+async def _lease_version(router):
+    async with router.lease() as slot:
+        return slot.version
