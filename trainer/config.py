@@ -49,7 +49,8 @@ class NearlineConfig(BaseModel):
     ttt_steps: int = Field(7, ge=1, le=16)
     step_decay: float = Field(0.8, gt=0, le=1)
     max_loss_rows: Optional[int] = Field(1024, ge=1, description="chains scored per TTT step (None: all)")
-    bf16: Optional[bool] = Field(None, description="bf16 autocast; None: on CUDA only")
+    bf16: Optional[bool] = Field(None, description="bf16 autocast; None: on CUDA and on CPUs that multiply bf16 in "
+                                 "hardware (AVX512-BF16/AMX), as the offline trainer")
 
     # candidates and evaluation
     candidate_every_tokens: int = Field(100_000, ge=1, description="write a candidate after this many trained tokens")

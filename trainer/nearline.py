@@ -34,7 +34,7 @@ from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.checkpoint import HeadMeta, load_head
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.registry import HeadRegistry
-from adaptive_eagle.targets import Target, load_target, resolve_device
+from adaptive_eagle.targets import Target, cpu_has_fast_bf16, load_target, resolve_device
 from adaptive_eagle.trace import TraceRecord
 from feature_store.reader import StoreReader
 from feature_store.schema import decode_record, encode_record
@@ -326,7 +326,9 @@ class NearlineTrainer:
         return WarmupCosine(lr=self.cfg.lr, total_steps=1, warmup_steps=self.cfg.warmup_steps, min_lr_ratio=1.0)
 
     def _step_config(self) -> StepConfig:
-        bf16 = self.cfg.bf16 if self.cfg.bf16 is not None else self.device.type == "cuda"
+        bf16 = self.cfg.bf16
+        if bf16 is None:  # the offline trainer's policy: CUDA, or a CPU that multiplies bf16 in hardware
+            bf16 = self.device.type == "cuda" or cpu_has_fast_bf16()
         return StepConfig(ttt_steps=self.cfg.ttt_steps, step_decay=self.cfg.step_decay,
                           max_loss_rows=self.cfg.max_loss_rows, grad_clip=self.cfg.grad_clip, bf16=bf16)
 
