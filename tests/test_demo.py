@@ -111,3 +111,30 @@ def test_a_quick_demo_runs_the_loop_end_to_end(tmp_path):
         (out / "report.md").read_text()
     assert "accept length by domain" in proc.stdout  # the plain (non-TTY) live view
     assert took < 300, took
+
+
+def test_the_live_view_draws_a_panel_on_a_terminal_and_lines_elsewhere(tmp_path):
+    from rich.console import Console
+
+    from adaptive_eagle_cli.demo.view import LiveStats, LiveView
+    from policies.log import PromotionLog
+
+    stats = LiveStats()
+    for r in (result(0, 0, "english", 1), result(1, 1, "code", 3, 6, 6, "nl-1")):
+        stats.add(r)
+    PromotionLog(tmp_path / "promotions.jsonl").record("considered", candidate="nl-1", champion="v1",
+                                                       reason="offline gate on 20 replayed records")
+    status = {"state": "training", "records_seen": 2, "tokens_trained": 4096, "loss": 3.2, "candidates": 1,
+              "last_candidate": "nl-1"}
+    printed = []
+    view = LiveView(stats, tmp_path / "promotions.jsonl", lambda: status, lambda: 30.0, lambda t: "code", 0.0,
+                    printed.append, tty=False)
+    view.start()
+    time.sleep(1.5)
+    view.close()
+    text = "\n".join(printed)
+    assert "gate" in text and "considered" in text and "english 2.000" in text and "4,096 tokens trained" in text
+    console = Console(record=True, width=140)
+    console.print(view.panel())
+    drawn = console.export_text()
+    assert "head nl-1" in drawn and "1.000" in drawn and "considered" in drawn

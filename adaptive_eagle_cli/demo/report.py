@@ -6,7 +6,7 @@ after adaptation = its last third, by request start time), the figures per windo
 writing the files. Must not touch: the stack, decoding (the figures arrive measured).
 
 Figures. Adapted: what the stack served, from each response's `adaptive_eagle` field (accept length as
-generated tokens / verify steps over the window; tokens/s as the mean of the requests'). Frozen, on the
+tokens committed by verify steps / verify steps over the window, the same measure the replay gives; tokens/s as the mean of the requests'). Frozen, on the
 same requests: accept length by acceptance replay of the frozen head on each request's captured record
 (exact for greedy traffic); tokens/s from the requests the frozen head decoded again in-process during
 the run (every k-th; n given).
@@ -67,7 +67,7 @@ def table(results: Sequence[RequestResult], phases: Sequence[Phase], replays: di
     rows = []
     by_id = {c.request_id: c for c in control}
     for window, domain, rs in windows(results, phases):
-        adapted = _ratio(sum(r.completion_tokens for r in rs), sum(r.verify_steps for r in rs))
+        adapted = _ratio(sum(r.accept_length * r.verify_steps for r in rs), sum(r.verify_steps for r in rs))
         reps = [replays[r.request_id] for r in rs if r.request_id in replays and replays[r.request_id].steps]
         frozen = _ratio(sum(sum(x.accepted) + x.steps for x in reps), sum(x.steps for x in reps))
         ctl = [by_id[r.request_id] for r in rs if r.request_id in by_id]
@@ -182,8 +182,8 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
     lines += ["", f"![accept length over time]({PLOT})", "", "## Gate decisions (promotions.jsonl)", ""]
     lines += [f"- `{e.time[11:19]}` **{e.event}** {e.candidate or ''}: {e.reason}" for e in events] or ["- none"]
     lines += ["", "## How the figures are measured", "",
-              "- Adapted: the stack as served, from each response's `adaptive_eagle` field (accept length = generated "
-              "tokens / verify steps over the window; tokens/s = mean over the window's requests).",
+              "- Adapted: the stack as served, from each response's `adaptive_eagle` field (accept length = tokens "
+              "committed by verify steps / verify steps over the window, the first token, from the prefill, not counted; tokens/s = mean over the window's requests).",
               "- Frozen: the shipped head never updated, on the same requests. Accept length by acceptance replay "
               "(trainer/replay.py) of the frozen head on each request's captured record: exact for greedy traffic "
               "with these engine settings (no prompt lookup, no suffix drafts, no cost-aware pruning). Tokens/s from "

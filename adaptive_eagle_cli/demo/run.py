@@ -46,6 +46,12 @@ def scenario_of(cfg: DemoConfig, pools: dict) -> tuple[str, ...]:
 def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, tty: Optional[bool] = None) -> DemoOutcome:
     from serving.stack import LocalStack
 
+    import torch
+
+    # Ray starts the replica and the trainer with one intra-op thread each (OMP_NUM_THREADS=1); the frozen
+    # control decodes here with one as well, so tokens/s compare like for like, and no process spins
+    # threads against the others on a small machine.
+    torch.set_num_threads(1)
     t_start = time.monotonic()
     out = Path(cfg.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -63,7 +69,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, tty: Optional
             echo("  " + line)
         run = _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty)
     finally:
-        echo("stopping the stack ...")
+        echo(f"stopping the stack ({time.monotonic() - t_start:.0f}s) ...")
         stack.stop()
         if run is None:  # failed or interrupted before the traffic ended: nothing to report
             _drop_state(cfg, state)
@@ -181,9 +187,10 @@ def _settle(cfg: DemoConfig, log_path: Path, t_start: float, echo) -> None:
 
 
 def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, echo) -> DemoOutcome:
-    echo(f"scoring the frozen head {run.frozen} on the captured records (acceptance replay) ...")
+    echo(f"scoring the frozen head {run.frozen} on the captured records (acceptance replay; "
+         f"{time.monotonic() - t_start:.0f}s) ...")
     replays = control.replay_frozen(run.store, run.results, run.target, run.frozen_head, ENGINE)
-    echo(f"checking {cfg.greedy_checks} responses against plain greedy decoding ...")
+    echo(f"checking {cfg.greedy_checks} responses against plain greedy decoding ({time.monotonic() - t_start:.0f}s) ...")
     checks = control.greedy_checks(run.plain_server, run.results, cfg.greedy_checks, cfg.max_tokens)
     tail = LogTail(run.log_path)
     tail.poll()

@@ -50,7 +50,7 @@ class LiveStats:
         out = {}
         for k, rs in sorted(groups.items()):
             tail = rs[-last:] if last else rs
-            out[k] = (sum(r.completion_tokens for r in tail) / sum(r.verify_steps for r in tail), len(rs))
+            out[k] = (sum(r.accept_length * r.verify_steps for r in tail) / sum(r.verify_steps for r in tail), len(rs))
         return out
 
     def failures(self) -> int:
