@@ -36,13 +36,14 @@ class NearlineConfig(BaseModel):
     replay_ratio: float = Field(0.25, ge=0, lt=1, description="share of each batch's rows drawn from the replay buffer")
     replay_per_domain: int = Field(256, ge=1, description="records the replay buffer keeps per domain")
     replay_max_bytes: int = Field(512 << 20, ge=1 << 16, description="cap on the replay buffer's encoded bytes")
-    max_passes: float = Field(3.0, ge=1, le=100, description="while no new traffic comes, keep training on the "
+    max_passes: float = Field(2.0, ge=1, le=100, description="while no new traffic comes, keep training on the "
                               "buffer until trained tokens reach this many times the tokens received")
     heldout_percent: int = Field(10, ge=1, le=50, description="records held out (by request id) for acceptance replay")
     heldout_per_domain: int = Field(48, ge=4, description="most recent held-out records kept per domain")
 
     # optimisation (trainer.step)
-    lr: float = Field(2e-4, gt=0, le=1.0, description="AdamW learning rate after warmup (constant: traffic never ends)")
+    lr: float = Field(5e-5, gt=0, le=1.0, description="AdamW learning rate after warmup (constant: traffic never "
+                      "ends); the level an offline run of the shipped recipe ends at: a higher one first un-learns")
     warmup_steps: int = Field(5, ge=0, description="linear warmup after every (re)start from a champion")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
