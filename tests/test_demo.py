@@ -13,10 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError, demo_stack_config, phase_plan
-from adaptive_eagle_cli.demo.control import ControlSample
+from adaptive_eagle_cli.demo.control import ControlSample, StepCounts
 from adaptive_eagle_cli.demo.report import summary, table
 from adaptive_eagle_cli.demo.traffic import Prompt, RequestResult, jsonl_pools
-from trainer.replay import RecordReplay
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {"drift_accept_length_adapted", "drift_accept_length_frozen", "failed_requests", "promotions"}
@@ -75,15 +74,17 @@ def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests()
     results = [result(0, 0, "english", 5), result(1, 1, "code", 35, 8, 8), result(2, 1, "code", 75, 12, 6, "nl-1"),
                RequestResult(index=3, client=1, domain="code", phase=1, started_s=80, finished_s=81,
                              prompt=Prompt((), "code"), ok=False, error="APIConnectionError: boom")]
-    replays = {"r0": RecordReplay("r0", "english", (1, 1, 0, 0, 0)),  # 7 tokens / 5 steps
-               "r1": RecordReplay("r1", "code", (0,) * 8), "r2": RecordReplay("r2", "code", (0, 1, 0, 1, 0, 0))}
+    counts = {"r0": StepCounts((1, 1, 0, 0, 9), (1, 1, 0, 0, 0)),  # the last step is left out: 6 / 4 both
+              "r1": StepCounts((0,) * 8, (0,) * 8), "r2": StepCounts((2, 1, 1, 0, 1, 0), (0, 1, 0, 1, 0, 0))}
     control = [ControlSample("r2", "code", 1, 76, 15.0, 1.3, True)]
-    rows = table(results, phases, replays, control)
+    rows = table(results, phases, counts, control)
     assert [(r.window, r.domain, r.requests) for r in rows] == [
         ("before drift", "english", 1), ("right after drift", "code", 1), ("after adaptation", "code", 1)]
+    assert rows[0].accept_length_adapted == rows[0].accept_length_frozen == 1.5 and rows[0].gain_pct == 0.0
     after = rows[2]
-    assert after.accept_length_adapted == 2.0 and after.accept_length_frozen == pytest.approx(8 / 6, abs=1e-4)
+    assert after.accept_length_adapted == 2.0 and after.accept_length_frozen == 1.4 and after.gain_pct == 42.86
     assert after.tokens_per_s_frozen == 15.0 and after.frozen_decoded == 1 and after.heads == "nl-1"
+    assert StepCounts.accept_length((3,)) is None
     s = summary(rows, results, [], [], control, {})
     assert SUMMARY_KEYS <= set(s) and s["failed_requests"] == 1 and s["drift_accept_length_adapted"] == 2.0
 

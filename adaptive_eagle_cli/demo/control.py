@@ -98,18 +98,35 @@ class FrozenDecoder:
                 log.exception("frozen control decode failed")
 
 
+@dataclass(frozen=True)
+class StepCounts:
+    """One request's draft tokens accepted per verify step: as served (its captured trace) and as the frozen
+    head would have accepted them (acceptance replay on the same record)."""
+
+    served: tuple[int, ...]
+    frozen: tuple[int, ...]
+
+    @staticmethod
+    def accept_length(accepted: Sequence[int]) -> Optional[float]:
+        """Tokens per verify step, bonus included, over every step but the last: the engine's last step may
+        accept past max_tokens (cut afterwards), which a replay of the record cannot see; the other steps
+        of the same head replay exactly. None with fewer than two steps."""
+        return 1.0 + sum(accepted[:-1]) / (len(accepted) - 1) if len(accepted) > 1 else None
+
+
 def replay_frozen(store_config, results: Sequence[RequestResult], target, head, engine_params: dict) -> dict:
-    """request_id -> trainer.replay.RecordReplay of the frozen head on each request's captured record."""
+    """request_id -> StepCounts: each request's captured trace, and the frozen head replayed on it."""
     from feature_store.reader import RecordFilter
     from trainer.evaluate import stored_records
     from trainer.replay import TreeParams, replay_heads
 
     wanted = {r.request_id for r in results if r.ok}
     records, _ = stored_records(store_config, RecordFilter())
-    records = [r for r in records if r.request_id in wanted]
+    records = {r.request_id: r for r in records if r.request_id in wanted}
     tree = TreeParams(engine_params["depth"], engine_params["topk"], engine_params["num_draft_tokens"])
-    report = replay_heads({"frozen": head.head.float().eval()}, records, target, tree)
-    return {rec.request_id: rec for rec in report.scores["frozen"].records}
+    report = replay_heads({"frozen": head.head.float().eval()}, list(records.values()), target, tree)
+    return {rep.request_id: StepCounts(tuple(s.accept_length for s in records[rep.request_id].steps), rep.accepted)
+            for rep in report.scores["frozen"].records}
 
 
 def greedy_checks(server, results: Sequence[RequestResult], n: int, max_tokens: int) -> list[GreedyCheck]:
@@ -129,5 +146,5 @@ def greedy_checks(server, results: Sequence[RequestResult], n: int, max_tokens: 
     return out
 
 
-__all__ = ["ControlSample", "FrozenDecoder", "GreedyCheck", "decode_again", "decode_server", "greedy_checks",
+__all__ = ["ControlSample", "FrozenDecoder", "GreedyCheck", "StepCounts", "decode_again", "decode_server", "greedy_checks",
            "replay_frozen"]

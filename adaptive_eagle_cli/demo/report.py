@@ -5,9 +5,10 @@ Owns: the windows (before drift = the first phase; right after drift = the first
 after adaptation = its last third, by request start time), the figures per window and domain, and
 writing the files. Must not touch: the stack, decoding (the figures arrive measured).
 
-Figures. Adapted: what the stack served, from each response's `adaptive_eagle` field (accept length as
-tokens committed by verify steps / verify steps over the window, the same measure the replay gives; tokens/s as the mean of the requests'). Frozen, on the
-same requests: accept length by acceptance replay of the frozen head on each request's captured record
+Figures. Accept length is tokens per verify step over every step of the window's requests but each
+one's last (control.StepCounts). Adapted: what the stack served, from each request's captured trace
+(the responses' `adaptive_eagle` field feeds the live view); tokens/s as the mean of the responses'.
+Frozen, on the same requests: accept length by acceptance replay of the frozen head on each request's captured record
 (exact for greedy traffic); tokens/s from the requests the frozen head decoded again in-process during
 the run (every k-th; n given).
 """
@@ -24,7 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from adaptive_eagle_cli.demo.config import Phase
-from adaptive_eagle_cli.demo.control import ControlSample, GreedyCheck
+from adaptive_eagle_cli.demo.control import ControlSample, GreedyCheck, StepCounts
 from adaptive_eagle_cli.demo.traffic import RequestResult
 
 PLOT = "accept_length.png"
@@ -58,18 +59,20 @@ def windows(results: Sequence[RequestResult], phases: Sequence[Phase]) -> list[t
     return out
 
 
-def _ratio(tokens: int, steps: int) -> Optional[float]:
-    return round(tokens / steps, 4) if steps else None
+def _trimmed(steps: Sequence[Sequence[int]]) -> Optional[float]:
+    """Tokens per verify step over the requests' steps but each one's last (StepCounts.accept_length)."""
+    n = sum(len(a) - 1 for a in steps if len(a) > 1)
+    return round(1.0 + sum(sum(a[:-1]) for a in steps if len(a) > 1) / n, 4) if n else None
 
 
-def table(results: Sequence[RequestResult], phases: Sequence[Phase], replays: dict,
+def table(results: Sequence[RequestResult], phases: Sequence[Phase], counts: dict,
           control: Sequence[ControlSample]) -> list[Row]:
+    """counts: request_id -> control.StepCounts (requests without a captured record are left out of both sides)."""
     rows = []
     by_id = {c.request_id: c for c in control}
     for window, domain, rs in windows(results, phases):
-        adapted = _ratio(sum(r.accept_length * r.verify_steps for r in rs), sum(r.verify_steps for r in rs))
-        reps = [replays[r.request_id] for r in rs if r.request_id in replays and replays[r.request_id].steps]
-        frozen = _ratio(sum(sum(x.accepted) + x.steps for x in reps), sum(x.steps for x in reps))
+        scored = [counts[r.request_id] for r in rs if r.request_id in counts]
+        adapted, frozen = _trimmed([c.served for c in scored]), _trimmed([c.frozen for c in scored])
         ctl = [by_id[r.request_id] for r in rs if r.request_id in by_id]
         gain = round(100 * (adapted / frozen - 1), 2) if adapted and frozen else None
         rows.append(Row(window, domain, len(rs), ",".join(sorted({r.head_version for r in rs})), adapted, frozen, gain,
@@ -107,7 +110,7 @@ def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Seque
     }
 
 
-def plot(path: Path, results: Sequence[RequestResult], replays: dict, phases: Sequence[Phase], events: Sequence,
+def plot(path: Path, results: Sequence[RequestResult], counts: dict, phases: Sequence[Phase], events: Sequence,
          t0: float, title: str) -> None:
     import matplotlib
 
@@ -118,17 +121,18 @@ def plot(path: Path, results: Sequence[RequestResult], replays: dict, phases: Se
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     domains = list(dict.fromkeys(p.domain for p in phases))
     for k, domain in enumerate(domains):
-        rs = sorted((r for r in results if r.ok and r.domain == domain and r.verify_steps), key=lambda r: r.finished_s)
-        if not rs:
+        pts = sorted((r.finished_s / 60, StepCounts.accept_length(counts[r.request_id].served),
+                      StepCounts.accept_length(counts[r.request_id].frozen))
+                     for r in results if r.ok and r.domain == domain and r.request_id in counts)
+        pts = [p for p in pts if p[1] is not None and p[2] is not None]
+        if not pts:
             continue
         c = colors[k % len(colors)]
-        x = np.array([r.finished_s / 60 for r in rs])
-        ax.scatter(x, [r.accept_length for r in rs], s=10, color=c, alpha=0.3)
-        ax.plot(x, _rolling([r.accept_length for r in rs]), color=c, lw=2, label=f"{domain}: adapted (served)")
-        fr = [(r.finished_s / 60, replays[r.request_id].accept_length) for r in rs if r.request_id in replays]
-        if fr:
-            ax.plot([a for a, _ in fr], _rolling([b for _, b in fr]), color=c, lw=1.5, ls="--",
-                    label=f"{domain}: frozen head (replay, same requests)")
+        x = [p[0] for p in pts]
+        ax.scatter(x, [p[1] for p in pts], s=10, color=c, alpha=0.3)
+        ax.plot(x, _rolling([p[1] for p in pts]), color=c, lw=2, label=f"{domain}: adapted (served)")
+        ax.plot(x, _rolling([p[2] for p in pts]), color=c, lw=1.5, ls="--",
+                label=f"{domain}: frozen head (replay, same requests)")
     for p in phases[1:]:
         ax.axvline(p.start_s / 60, color="k", lw=0.8, ls="-.")
     for p in phases:
@@ -182,8 +186,10 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
     lines += ["", f"![accept length over time]({PLOT})", "", "## Gate decisions (promotions.jsonl)", ""]
     lines += [f"- `{e.time[11:19]}` **{e.event}** {e.candidate or ''}: {e.reason}" for e in events] or ["- none"]
     lines += ["", "## How the figures are measured", "",
-              "- Adapted: the stack as served, from each response's `adaptive_eagle` field (accept length = tokens "
-              "committed by verify steps / verify steps over the window, the first token, from the prefill, not counted; tokens/s = mean over the window's requests).",
+              "- Accept length = tokens committed per verify step (bonus included) over every verify step of the "
+              "window's requests but each request's last (the engine's last step may accept past max_tokens, which "
+              "a replay cannot see). Adapted: as served, from each request's captured trace (the live view shows the "
+              "responses' `adaptive_eagle` field); tokens/s = mean over the window's responses.",
               "- Frozen: the shipped head never updated, on the same requests. Accept length by acceptance replay "
               "(trainer/replay.py) of the frozen head on each request's captured record: exact for greedy traffic "
               "with these engine settings (no prompt lookup, no suffix drafts, no cost-aware pruning). Tokens/s from "

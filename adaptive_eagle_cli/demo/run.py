@@ -206,7 +206,7 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
             "config": {"demo": cfg.model_dump(mode="json"), "engine": ENGINE,
                        "trainer": stack_cfg.trainer.inner_fields(), "policy": stack_cfg.policy.inner_fields()}}
     report.write(out, s, rows, tail.events, info, run.log_path,
-                 {"results": run.results, "replays": replays, "phases": run.phases, "events": tail.events,
+                 {"results": run.results, "counts": replays, "phases": run.phases, "events": tail.events,
                   "t0": run.t0, "title": f"accept length per domain: adapted stack vs frozen {run.frozen}"})
     bad = s["failed_requests"] > 0 or s["greedy_checks"]["mismatches"] > 0 or not run.results
     return DemoOutcome(s, out, 1 if bad else 0)
