@@ -6,8 +6,8 @@ import-head), the trainer's (trainer.cli: train-head, eval-head, data-stats) and
 (adaptive_eagle_cli.demo); `store ...` is the feature store's sub-app (feature_store.cli) and
 `heads ...` the head registry's (adaptive_eagle.heads_cli).
 The policy's commands (policies.cli: promotions, rollback, pin, unpin) are at top level too; they
-differ from `heads pin/unpin` in that they also write the promotion log. Serving mounts its commands
-here when it has some.
+differ from `heads pin/unpin` in that they also write the promotion log. Serving's `up` (serving.cli)
+starts the whole loop as a local service.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from trainer.cli import trainer_app
 
 app = typer.Typer(
     help="adaptive-eagle: EAGLE-3 speculative decoding whose draft heads keep adapting to live traffic.\n\n"
-    "Decode with EAGLE-3 (hot-swappable heads, lossless), train and evaluate draft heads, inspect the "
-    "feature store of captured traffic, read the promotion log and roll back, pin or unpin heads. The near-line "
-    "trainer and the serving gateway are not available yet.",
+    "Run the whole loop (`demo` on drifting traffic, `up` as a service: OpenAI-compatible gateway, near-line "
+    "trainer, promotion policy), decode with EAGLE-3 (hot-swappable heads, lossless), train and evaluate draft "
+    "heads, inspect the feature store of captured traffic, read the promotion log and roll back, pin or unpin "
+    "heads.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
