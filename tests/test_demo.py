@@ -104,6 +104,7 @@ def test_a_quick_demo_runs_the_loop_end_to_end(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(s) and s["failed_requests"] == 0, output
     assert s["requests"] >= 4 and s["drift_accept_length_frozen"] is not None, s
+    assert s["replay_check"]["requests"] > 0, s["replay_check"]  # the replay scored the requests it served itself
     log = [json.loads(line) for line in (out / "promotions.jsonl").read_text().splitlines() if line.strip()]
     assert any(e["event"] == "considered" for e in log), (log, s.get("trainer_events"))  # a candidate met the gates
     checks = s["greedy_checks"]

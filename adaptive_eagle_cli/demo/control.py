@@ -124,7 +124,10 @@ def replay_frozen(store_config, results: Sequence[RequestResult], target, head, 
     records, _ = stored_records(store_config, RecordFilter())
     records = {r.request_id: r for r in records if r.request_id in wanted}
     tree = TreeParams(engine_params["depth"], engine_params["topk"], engine_params["num_draft_tokens"])
-    report = replay_heads({"frozen": head.head.float().eval()}, list(records.values()), target, tree)
+    # the store keeps hidden states with a lossy codec (int8 blocks); one target prefill per record gives
+    # float32 features like the ones the engine drafted from, so near-ties fall the same way
+    report = replay_heads({"frozen": head.head.float().eval()}, [r.without_hidden() for r in records.values()],
+                          target, tree)
     return {rep.request_id: StepCounts(tuple(s.accept_length for s in records[rep.request_id].steps), rep.accepted)
             for rep in report.scores["frozen"].records}
 

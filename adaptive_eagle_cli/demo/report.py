@@ -81,6 +81,14 @@ def table(results: Sequence[RequestResult], phases: Sequence[Phase], counts: dic
     return rows
 
 
+def replay_check(results: Sequence[RequestResult], counts: dict, frozen: str) -> dict:
+    """How well the replay reproduces serving: the requests the frozen head served itself, scored both ways."""
+    own = [counts[r.request_id] for r in results if r.ok and r.head_version == frozen and r.request_id in counts]
+    return {"requests": len(own), "served": _trimmed([c.served for c in own]),
+            "replayed": _trimmed([c.frozen for c in own]), "requests_differing": sum(c.served[:-1] != c.frozen[:-1]
+                                                                                     for c in own)}
+
+
 def event_seconds(event, t0: float) -> float:
     return datetime.fromisoformat(event.time.replace("Z", "+00:00")).timestamp() - t0
 
@@ -165,6 +173,7 @@ def _fmt(x, digits: int = 3) -> str:
 
 
 def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
+    rc = s.get("replay_check") or {}
     lines = ["# adaptive-eagle demo report", "",
              f"{info['when']} · {info['duration_s']:.0f} s · target {info['target']} · frozen head {info['frozen_head']}"
              f" · scenario {' → '.join(info['scenario'])} · {info['clients']} clients · {info['max_tokens']} tokens a "
@@ -197,6 +206,9 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
               "traffic ran (the same machine load).",
               "- Windows: before drift = the first phase; right after drift = the first third of the next phase; after "
               "adaptation = its last third (by request start).",
+              f"- Replay check: on the {rc.get('requests', 0)} requests the frozen head served itself, served "
+              f"{_fmt(rc.get('served'))} vs replayed {_fmt(rc.get('replayed'))} ({rc.get('requests_differing', 0)} "
+              "requests differ in some step: float rounding at near ties).",
               f"- The frozen head's greedy text differed from the served text on {s['control']['frozen_text_differs']} "
               "of the requests it decoded again (lossless decoding: 0 expected).",
               "", "## Configuration", "", "```json", json.dumps(info["config"], indent=1), "```"]
@@ -216,4 +228,4 @@ def write(out: Path, s: dict, rows: Sequence[Row], events: Sequence, info: dict,
     (out / "report.md").write_text(markdown(s, rows, events, info))
 
 
-__all__ = ["PLOT", "Row", "event_seconds", "markdown", "plot", "summary", "table", "windows", "write"]
+__all__ = ["PLOT", "Row", "event_seconds", "markdown", "plot", "replay_check", "summary", "table", "windows", "write"]

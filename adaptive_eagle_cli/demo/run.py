@@ -195,7 +195,8 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
     tail = LogTail(run.log_path)
     tail.poll()
     rows = report.table(run.results, run.phases, replays, run.control)
-    extra = {"frozen_head": run.frozen, "replayed_requests": len(replays), "trainer": run.trainer_status,
+    extra = {"frozen_head": run.frozen, "replayed_requests": len(replays),
+             "replay_check": report.replay_check(run.results, replays, run.frozen), "trainer": run.trainer_status,
              "trainer_events": run.trainer_events[-40:], "control_errors": run.control_errors,
              "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1)}
     s = report.summary(rows, run.results, tail.events, checks, run.control, extra)
