@@ -110,9 +110,9 @@ def collate(exs: Sequence[TokenizedExample], max_len: int, pad_id: int = 0):
 
 
 def make_ttt_batch(target: Target, head: Eagle3DraftHead, exs, max_len: int, exact: bool = False) -> TTTBatch:
-    """One target forward per batch; its features serve every TTT step."""
-    ids, mask, lengths = collate(exs, max_len)
-    attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long()
+    """One target forward per batch (on the target's device); its features serve every TTT step."""
+    ids, mask, lengths = (t.to(target.device) for t in collate(exs, max_len))
+    attn = (torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]).long()
     feats = target.features(ids, attn)
     with torch.no_grad():
         w = target.output_embeddings()
