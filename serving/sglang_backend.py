@@ -65,17 +65,18 @@ class SGLangConfig(BaseModel):
                 *self.extra_args]
 
 
-def launch_sglang(config: SGLangConfig, client=None) -> subprocess.Popen:
-    """Start `sglang.launch_server` with `config.launch_args()` and wait until it answers /health; raises
-    RuntimeError (the process stopped) or TimeoutError, after stopping it."""
+def launch_sglang(config: SGLangConfig, client=None, args: Optional[list[str]] = None) -> subprocess.Popen:
+    """Start `sglang.launch_server` with `config.launch_args()` (or `args`) and wait until it answers
+    /health; raises RuntimeError (the process stopped) or TimeoutError, after stopping it."""
     import httpx
 
-    proc = subprocess.Popen(config.launch_args())
+    args = args or config.launch_args()
+    proc = subprocess.Popen(args)
     client = client or httpx.Client(base_url=config.base_url, timeout=5.0)
     deadline = time.monotonic() + config.startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"sglang.launch_server exited with {proc.returncode}: {' '.join(config.launch_args())}")
+            raise RuntimeError(f"sglang.launch_server exited with {proc.returncode}: {' '.join(args)}")
         try:
             if client.get("/health").status_code == 200:
                 return proc
