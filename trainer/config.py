@@ -81,6 +81,8 @@ class NearlineConfig(BaseModel):
 
     # loop
     checkpoint_every_s: float = Field(30.0, gt=0, description="checkpoint (then ack the records used) this often")
+    max_yield_s: float = Field(10.0, gt=0, description="the trainer waits while requests queue (yield_to), but "
+                               "never longer than this at a stretch: then it takes one step (neither side starves)")
     champion_check_s: float = Field(5.0, gt=0, description="look for a champion change this often")
     read_batch: int = Field(64, ge=1, le=4096, description="records per store read")
     poll_ms: int = Field(200, ge=0, le=60_000, description="block this long on the store when idle")

@@ -115,6 +115,7 @@ class NearlineTrainer:
         self.counters = self._zero_counters()
         self.loss: float | None = None
         self.last_batch: dict = {}
+        self._yield_since: float | None = None  # when the current stretch of yielding to requests began
         self.state = "starting"
         self.events: deque[str] = deque(maxlen=200)  # drift and candidate lines, newest last
         self._last_checkpoint = self._last_candidate_t = self._last_champion_check = time.monotonic()
@@ -469,10 +470,11 @@ class NearlineTrainer:
         if now - self._last_champion_check >= self.cfg.champion_check_s:
             self.follow_champion()
         self.poll(block_ms=0 if self.ready() else self.cfg.poll_ms)
-        if self.yield_to is not None and self.yield_to():
+        if self._yielding():
             self.state = "waiting"
             time.sleep(self.cfg.poll_ms / 1000)
             return
+        self._yield_since = None
         if self.train_once() is None:
             self.state = "waiting"
         if time.monotonic() - self._last_checkpoint >= self.cfg.checkpoint_every_s:
@@ -480,6 +482,16 @@ class NearlineTrainer:
         if self.candidate_due():
             self.write_candidate()
             self.checkpoint()
+
+    def _yielding(self) -> bool:
+        """Wait while requests queue (yield_to), but never longer than max_yield_s at a stretch: under
+        constant load the trainer still takes one step per interval, so neither side starves."""
+        if self.yield_to is None or not self.yield_to():
+            return False
+        now = time.monotonic()
+        if self._yield_since is None:
+            self._yield_since = now
+        return now - self._yield_since < self.cfg.max_yield_s
 
     def _note(self, line: str) -> None:
         log.info(line)

@@ -160,3 +160,23 @@ def test_cold_start_builds_a_head_from_the_traffic_when_the_champion_is_plain(tm
     tr.poll()
     assert tr.train_once(force=True) is not None and tr.head is not None
     assert any("cold start" in e for e in tr.events)
+
+
+def test_the_trainer_yields_to_queued_requests_but_never_starves(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world, max_yield_s=0.3, poll_ms=20)
+    busy = {"on": True}
+    tr = NearlineTrainer(cfg, target=target, yield_to=lambda: busy["on"])
+    tr.start()
+    tr.tick()
+    assert tr.counters["steps"] == 0 and tr.state == "waiting"  # requests queue: it waits ...
+    import time
+
+    deadline = time.monotonic() + 20
+    while tr.counters["steps"] == 0 and time.monotonic() < deadline:
+        tr.tick()
+    assert tr.counters["steps"] == 1  # ... but not longer than max_yield_s at a stretch
+    tr.tick()
+    assert tr.counters["steps"] == 1  # then it yields again
+    busy["on"] = False
+    tr.tick()
+    assert tr.counters["steps"] == 2
