@@ -14,6 +14,8 @@ report.md), run (the steps in order). Owns: the command line only. Must not touc
 
 from __future__ import annotations
 
+import signal
+
 from pathlib import Path
 from typing import Optional
 
@@ -71,6 +73,7 @@ def demo(
         raise typer.Exit(2) from None
     if not (SHIPPED_HEAD / "head.json").exists():
         fail(f"no shipped head at {SHIPPED_HEAD}; train one with `adaptive-eagle train-head`")
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops it like Ctrl-C: report on what ran, stack stopped
     outcome = run_demo(cfg, echo=typer.echo)
     s = outcome.summary
     typer.secho(f"\nreport: {outcome.out / 'report.md'}", bold=True)
@@ -81,3 +84,8 @@ def demo(
 
 
 __all__ = ["demo_app"]
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
