@@ -52,25 +52,13 @@ def pct(values: list[float], q: float) -> float:
 def tiny_setup(tmp: Path):
     """A tiny random target with a word tokenizer and a registry holding one random head."""
     import torch
-    from dataclasses import replace
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import PreTrainedTokenizerFast
 
     from adaptive_eagle.checkpoint import HeadMeta
     from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
     from adaptive_eagle.registry import HeadRegistry
-    from adaptive_eagle.targets import tiny_target
+    from bench.tiny import tiny_chat_target
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 64)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    target = replace(tiny_target(seed=3, vocab_size=64, num_layers=6, initializer_range=0.15,
-                                 max_position_embeddings=512), tokenizer=fast)
+    target = tiny_chat_target()
     registry = HeadRegistry.create(tmp / "registry")
     cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.aux_layer_ids)
     torch.manual_seed(11)
