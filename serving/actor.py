@@ -12,32 +12,24 @@ the server's own decode thread, so the actor's event loop keeps answering `statu
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable
 
-from adaptive_eagle.binding import SwapResult
-from serving.messages import DecodeRequest, Event, ServerStatus
+from serving.messages import DecodeRequest, Event
+from serving.router import LocalReplica, RayReplica
 from serving.server import DecodeServer
 
 
-class ServerActor:
+class ServerActor(LocalReplica):
     """Use as `ray.remote(ServerActor).options(...).remote(builder)`; `builder()` returns the
-    DecodeServer (it runs in the actor's process, so the target loads there)."""
+    DecodeServer (it runs in the actor's process, so the target loads there). The forwarding is
+    LocalReplica's; only `stream` differs, because Ray streams an async generator method."""
 
     def __init__(self, builder: Callable[[], DecodeServer]) -> None:
-        self.server = builder()
+        super().__init__(builder())
 
     async def stream(self, request: DecodeRequest) -> AsyncIterator[Event]:
         async for event in self.server.astream(request):
             yield event
-
-    async def swap_head(self, version: str) -> SwapResult:
-        return await asyncio.to_thread(self.server.swap_head, version)
-
-    async def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
-        return await asyncio.to_thread(self.server.set_canary, version, fraction)
-
-    async def status(self) -> ServerStatus:
-        return await asyncio.to_thread(self.server.status)
 
     async def head_version(self) -> str:
         return self.server.head_version
@@ -50,8 +42,6 @@ def remote_server_actor(builder: Callable[[], DecodeServer], name: str, **option
     """Start a ServerActor (`options`: Ray actor options such as num_cpus, num_gpus) and return a
     router.RayReplica over it."""
     import ray
-
-    from serving.router import RayReplica
 
     handle = ray.remote(ServerActor).options(name=None, **options).remote(builder)
     return RayReplica(handle, name)
