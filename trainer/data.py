@@ -112,25 +112,31 @@ class DataError(ValueError):
     pass
 
 
-def load_jsonl(path: str | Path) -> Iterator[Conversation]:
-    """User data, one JSON object a line: {id, conversations: [{role, content}]}. Bad lines raise."""
-    with open(path, encoding="utf-8") as f:
+def jsonl_objects(path: str | Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON) for each non-blank line; a line that is not JSON raises DataError
+    naming the file and the line."""
+    with open(Path(path).expanduser(), encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                raw = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            conv = _to_conversation(raw) if isinstance(raw, dict) else None
-            if conv is None:
-                raise DataError(
-                    f"{path}:{lineno}: expected {{id, conversations: [{{role, content}}]}} with roles "
-                    "system/user/assistant and at least one assistant turn"
-                )
-            if not conv.id:
-                conv = Conversation(id=f"{Path(path).name}:{lineno}", messages=conv.messages, domain=conv.domain)
-            yield conv
+
+
+def load_jsonl(path: str | Path) -> Iterator[Conversation]:
+    """User data, one JSON object a line: {id, conversations: [{role, content}]}. Bad lines raise."""
+    for lineno, raw in jsonl_objects(path):
+        conv = _to_conversation(raw) if isinstance(raw, dict) else None
+        if conv is None:
+            raise DataError(
+                f"{path}:{lineno}: expected {{id, conversations: [{{role, content}}]}} with roles "
+                "system/user/assistant and at least one assistant turn"
+            )
+        if not conv.id:
+            conv = Conversation(id=f"{Path(path).name}:{lineno}", messages=conv.messages, domain=conv.domain)
+        yield conv
 
 
 # ---- domains and splits -------------------------------------------------------------------------

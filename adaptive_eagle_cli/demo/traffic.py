@@ -11,7 +11,6 @@ The held-out split of ShareGPT is never sent: it is what offline evaluations sco
 from __future__ import annotations
 
 import importlib.util
-import json
 import random
 import threading
 import time
@@ -97,20 +96,15 @@ def bench_workloads():
 def jsonl_pools(path: str, seed: int) -> dict[str, list[Prompt]]:
     """A user's prompts: one JSON object a line, {"prompt": "..."} or {"messages": [{role, content}, ...]},
     with an optional "domain" (default "custom"). Pools keep file order; errors name the line."""
+    from trainer.data import jsonl_objects
+
     pools: dict[str, list[Prompt]] = {}
-    with open(Path(path).expanduser(), encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
-            prompt = _prompt_of(raw)
-            if prompt is None:
-                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": text}} or {{\"messages\": [{{role, "
-                                 "content}, ...]}}, with an optional \"domain\"")
-            pools.setdefault(prompt.domain, []).append(prompt)
+    for lineno, raw in jsonl_objects(path):  # a line that is not JSON: DataError (a ValueError) naming it
+        prompt = _prompt_of(raw)
+        if prompt is None:
+            raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": text}} or {{\"messages\": [{{role, "
+                             "content}, ...]}}, with an optional \"domain\"")
+        pools.setdefault(prompt.domain, []).append(prompt)
     if not pools:
         raise ValueError(f"{path}: no prompts")
     return pools
