@@ -161,10 +161,11 @@ class ReplayScore:
         out = {"records": len(self.records), "steps": sum(r.steps for r in self.records),
                "accept_length": round(self.mean, 4), "p5_accept_length": round(self.quantile(0.05), 4),
                "alpha": [round(a, 4) for a in self.alpha()]}
-        if len(self.by_domain()) > 1 or "" not in self.by_domain():
+        domains = self.by_domain()
+        if len(domains) > 1 or "" not in domains:
             out["domains"] = {d or "untagged": {"records": len(s.records), "accept_length": round(s.mean, 4),
                                                 "p5_accept_length": round(s.quantile(0.05), 4)}
-                              for d, s in self.by_domain().items()}
+                              for d, s in domains.items()}
         return out
 
     def samples(self, version: str) -> list[dict]:
