@@ -149,6 +149,12 @@ def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7
     return summary
 
 
+def rounded(summary: dict) -> dict:
+    """An evaluation summary with floats (and lists of floats) rounded to 4 decimals, for head.json and logs."""
+    return {k: ([round(x, 4) for x in v] if isinstance(v, list) else (round(v, 4) if isinstance(v, float) else v))
+            for k, v in summary.items()}
+
+
 # ---- run state --------------------------------------------------------------------------------------
 def save_run_state(run_dir: Path, head, opt, state: RunState, cfg: TrainHeadConfig, extra: dict) -> None:
     """Replace ``run_dir/state`` atomically (atomic.staging_dir) with the head, optimizer and run state."""

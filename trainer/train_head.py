@@ -15,7 +15,7 @@ import torch
 
 from adaptive_eagle.targets import Target, default_dtype, load_target
 from trainer import data as D
-from trainer.offline import RunState, TrainHeadConfig, evaluate, load_run_state, train_loop
+from trainer.offline import RunState, TrainHeadConfig, evaluate, load_run_state, rounded, train_loop
 from trainer.warm_start import build_draft_vocab, coverage_curve, new_head, size_for_coverage, token_counts, warm_start
 
 
@@ -99,7 +99,7 @@ def run_train_head(
     result = {"state": {"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1)},
               "heldout_english": last}
     if out_dir is not None:
-        metrics = {"heldout_english": _round(last), "train_tokens": state.tokens, "train_steps": state.step,
+        metrics = {"heldout_english": rounded(last), "train_tokens": state.tokens, "train_steps": state.step,
                    "train_seconds": round(state.elapsed_s, 1), "history": state.history[-50:]}
         meta = C.HeadMeta(
             version=version or out_dir.name, parent=parent, target_name=cfg.target,
@@ -113,11 +113,6 @@ def run_train_head(
         result["head"] = str(out_dir)
         log(f"saved head to {out_dir}")
     return result
-
-
-def _round(summary: dict) -> dict:
-    return {k: ([round(x, 4) for x in v] if isinstance(v, list) else (round(v, 4) if isinstance(v, float) else v))
-            for k, v in summary.items()}
 
 
 def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=("english", "code", "math"),
@@ -138,7 +133,7 @@ def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=("
         exs = load_examples(cfg, target, "heldout", [d], limit=n_convs)
         if not exs:
             continue
-        results[d] = _round(evaluate(head, target, exs, max_len=max_len, bf16=bf16))
+        results[d] = rounded(evaluate(head, target, exs, max_len=max_len, bf16=bf16))
         results[d]["conversations"] = len(exs)
         log(f"{d:8s} alpha {' '.join(f'{a:.3f}' for a in results[d]['alpha'])}  "
             f"accept_length {results[d]['accept_length']:.3f}  ({len(exs)} conversations)")

@@ -213,18 +213,13 @@ def eval_sets(data, n: int, max_len: int) -> dict:
 
 
 def evaluate_domains(head, target, sets: dict, bf16: bool, max_len: int) -> dict:
-    from trainer.offline import evaluate
+    from trainer.offline import evaluate, rounded
 
     out = {}
     for d, exs in sets.items():
         if exs:
             out[d] = {**rounded(evaluate(head, target, exs, max_len=max_len, bf16=bf16)), "conversations": len(exs)}
     return out
-
-
-def rounded(summary: dict) -> dict:
-    return {k: ([round(x, 4) for x in v] if isinstance(v, list) else (round(v, 4) if isinstance(v, float) else v))
-            for k, v in summary.items()}
 
 
 @dataclass
@@ -348,7 +343,7 @@ def run_train(args, log: Callable[[str], None] = print) -> dict:
     from adaptive_eagle import checkpoint as C
     from adaptive_eagle.targets import load_target, resolve_device
     from ops.gpu_train.tokens import read_tokens
-    from trainer.offline import evaluate
+    from trainer.offline import evaluate, rounded
 
     payload, work = Path(args.payload), Path(args.work)
     out = Path(args.out or os.environ.get("OUT") or work / "out")
