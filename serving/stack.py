@@ -47,7 +47,7 @@ class StackInfo:
     def lines(self) -> list[str]:
         return [f"endpoint       {self.endpoint}  (OpenAI API; model names: GET {self.endpoint}/models)",
                 f"metrics        {self.metrics}",
-                f"ray dashboard  {self.dashboard or 'off (pip install ray[default] for it)'}",
+                f"ray dashboard  {self.dashboard or 'off'}",
                 f"promotion log  {self.promotion_log}  (adaptive-eagle promotions --registry {self.registry})",
                 f"registry       {self.registry}  (champion {self.champion})",
                 f"store          {self.store}",
@@ -155,6 +155,9 @@ class LocalStack:
         self.ray_owned = True
         url = getattr(ctx, "dashboard_url", None)
         self.dashboard = f"http://{url}" if url and not url.startswith("http") else url or None
+        if self.dashboard is None:  # say why it is off: the config turned it off, or Ray could not start it
+            self.dashboard = ("off (ray.dashboard: false)" if not c.ray.dashboard
+                              else "off (Ray did not start it; it needs ray[default])")
 
     def _replicas(self) -> None:
         from serving.replicas import build_replicas
