@@ -95,6 +95,9 @@ def captured(target, head_dir: Path, sets: dict[str, tuple[str, str, int]], max_
                 r = TraceRecord(**{**r.__dict__, "domain": domain})
                 writer.put(r)
                 recs.append(r)
+                if (i + 1) % 16 == 0 or i + 1 == len(ps):
+                    log(f"  {i + 1}/{len(ps)} records, {sum(x.generated_tokens for x in recs)} tokens, "
+                        f"{time.time() - t0:.0f} s")
             writer.close()
             log(f"  {sum(r.generated_tokens for r in recs)} tokens in {time.time() - t0:.0f} s")
         out[name] = recs
@@ -109,7 +112,7 @@ def score(head, target, records, tree: TreeParams) -> float:
 
 # ---- (b), (d): the near-line trainer from a store of captured traffic ----------------------------------
 def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path, budget_min: float, positions: str,
-                 evals: int, eval_fn, log) -> tuple[object, list, dict]:
+                 evals: int, eval_fn, log, lr: float) -> tuple[object, list, dict]:
     """Fine-tune with NearlineTrainer for budget_min CPU-minutes; eval_fn(head) at `evals` points."""
     reg = HeadRegistry.create(work / "registry")
     shipped = load_head(head_dir)
@@ -121,7 +124,7 @@ def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path,
         writer.put(r)
     writer.close()
     cfg = NearlineConfig(registry=str(work / "registry"), work_dir=str(work / "trainer"), store=store,
-                         positions=positions, heldout_percent=1, candidate_every_tokens=10**9,
+                         positions=positions, lr=lr, heldout_percent=1, candidate_every_tokens=10**9,
                          min_candidate_tokens=1, checkpoint_every_s=10**6)
     tr = NearlineTrainer(cfg, target=target)
     tr.start()
@@ -215,7 +218,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=6.0, help="training CPU-minutes per head (K <= 10)")
     ap.add_argument("--quick", action="store_true", help="small traffic sets and 1.5 minutes (a smoke run)")
-    ap.add_argument("--positions", choices=["all", "generated", "both"], default="all")
+    ap.add_argument("--positions", choices=["all", "generated", "both"],
+                    default=NearlineConfig.model_fields["positions"].default, help="default: the trainer's")
+    ap.add_argument("--lr", type=float, default=NearlineConfig.model_fields["lr"].default,
+                    help="learning rate of (b), (c) and (d) (default: the trainer's)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--train", type=int, default=160, help="captured training records per domain")
     ap.add_argument("--heldout", type=int, default=32, help="held-out records per domain")
@@ -252,24 +258,24 @@ def main() -> None:
     for positions in (["all", "generated"] if args.positions == "both" else [args.positions]):
         log(f"(b) near-line trainer on captured traffic, positions={positions}, {args.minutes} CPU-min")
         head_b, curve_b, info_b = nearline_run(target, args.head, drift, work / f"b-{positions}", args.minutes,
-                                               positions, args.evals, code_eval, log)
+                                               positions, args.evals, code_eval, log, args.lr)
         results[positions] = {"code": curve_b[-1][1], "english": en_eval(head_b), **info_b}
         curves[f"(b) near-line, captured traffic, {positions} positions"] = curve_b
     best = max(results, key=lambda k: results[k]["code"])
     b_code, b_en = results[best]["code"], results[best]["english"]
     log(f"(c) offline fine-tuning on ShareGPT code, {args.minutes} CPU-min")
     head_c, curve_c, info_c = offline_run(target, args.head, args.minutes, args.evals, code_eval, log,
-                                          lr=NearlineConfig.model_fields["lr"].default)
+                                          lr=args.lr)
     c_code, c_en = curve_c[-1][1], en_eval(head_c)
     curves["(c) offline, ShareGPT code"] = curve_c
     log(f"(d) near-line trainer on captured English only, {args.minutes} CPU-min")
     head_d, _, info_d = nearline_run(target, args.head, traffic["english-train"], work / "d", args.minutes, best,
-                                     1, lambda h: 0.0, log)
+                                     1, lambda h: 0.0, log, args.lr)
     d_en = en_eval(head_d)
 
     gain_c = c_code - a_code
     summary = {
-        "machine_threads": torch.get_num_threads(), "minutes": args.minutes, "positions_default": best,
+        "machine_threads": torch.get_num_threads(), "minutes": args.minutes, "lr": args.lr, "positions_default": best,
         "records": {k: len(v) for k, v in traffic.items()}, "max_tokens": args.max_tokens,
         "drift_accept_length_shipped": round(a_code, 4), "drift_accept_length_adapted": round(b_code, 4),
         "drift_accept_length_offline": round(c_code, 4),

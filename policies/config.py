@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -30,6 +30,10 @@ class PolicyConfig(BaseModel):
     tail_quantile: float = Field(0.05, gt=0.0, lt=0.5, description=(
         "quantile of per-request accept length that the gates compare (0.05: the 5th percentile, which sets "
         "P95 time per output token); in (0, 0.5)"))
+    tail_statistic: Literal["quantile", "tail_mean"] = Field("quantile", description=(
+        "'quantile': the tail is the tail_quantile of per-request accept length; 'tail_mean': the mean of the "
+        "lowest tail_quantile share of requests (expected shortfall: it averages ceil(q x n) requests instead "
+        "of interpolating one or two, so a few dozen samples can resolve it); in {quantile, tail_mean}"))
     confidence_level: float = Field(0.95, gt=0.5, lt=1.0, description=(
         "one-sided confidence level of 'the candidate's tail is higher'; 1 - level is the false-promotion "
         "rate a gate allows; in (0.5, 1)"))
@@ -53,6 +57,11 @@ class PolicyConfig(BaseModel):
         "fraction of live requests that decode with the candidate during a canary; in (0, 0.5]"))
     canary_min_requests: int = Field(200, ge=20, le=10_000_000, description=(
         "live requests per head (candidate and champion) before the canary decides; in [20, 1e7]"))
+    canary_margin: float = Field(0.0, ge=0.0, le=0.2, description=(
+        "0: the canary must itself show a significant tail gain, like the offline gate. > 0: a non-inferiority "
+        "canary, which confirms live what the offline gate proved on paired replay: it passes when the "
+        "interval's lower bound is above -margin x the champion's tail (unpaired live requests of different "
+        "prompts cannot resolve a gain of a few percent in a few dozen requests); in [0, 0.2]"))
 
     # ---- rollback watch after a promotion ----
     rollback_window: int = Field(200, ge=20, le=10_000_000, description=(

@@ -18,7 +18,8 @@ Promote only when (checked in this order; the first failure is the reason): both
 samples, the tail gain's lower bound is > 0, the mean does not drop by more than config.mean_tolerance,
 and no domain with at least config.min_domain_samples requests of each head drops (tail or mean) by more
 than config.domain_tolerance (domains are checked when the samples have two or more; untagged requests
-form the domain "-").
+form the domain "-"). The live canary may instead be a non-inferiority check (config.canary_margin > 0):
+its lower bound must be above -margin x the champion's tail; the gain itself was shown by the offline gate.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Comparison:
     metric: str  # "accept_length" (higher is better) or "tpot_s" (lower is better)
     higher_is_better: bool
     quantile: float  # the tail quantile in natural units (0.05 of accept length, 0.95 of TPOT)
+    statistic: str  # "quantile" (the tail is that quantile) or "tail_mean" (the mean of the requests beyond it)
     paired: bool  # resampled in pairs of the same request_id
     n_champion: int
     n_candidate: int
@@ -95,18 +97,30 @@ class Comparison:
 
 
 # ---- the statistics ---------------------------------------------------------------------------
-def _tail(scores: np.ndarray, q: float) -> float:
-    return float(np.quantile(scores, q))
+def tail_of(scores: np.ndarray, q: float, statistic: str = "quantile", axis: int = -1) -> np.ndarray:
+    """The lower tail of scores (higher is better) along `axis`: the q-quantile, or the mean of the lowest
+    ceil(q·n) scores ("tail_mean", the expected shortfall)."""
+    if statistic == "quantile":
+        return np.quantile(scores, q, axis=axis)
+    if statistic != "tail_mean":
+        raise ValueError(f"statistic must be 'quantile' or 'tail_mean', got {statistic!r}")
+    n = scores.shape[axis]
+    k = max(1, int(np.ceil(q * n - 1e-9)))
+    return np.mean(np.moveaxis(np.partition(scores, k - 1, axis=axis), axis, -1)[..., :k], axis=-1)
+
+
+def _tail(scores: np.ndarray, q: float, statistic: str = "quantile") -> float:
+    return float(tail_of(np.asarray(scores, dtype=float), q, statistic))
 
 
 def tail_gain_interval(champion: np.ndarray, candidate: np.ndarray, *, q: float, level: float, resamples: int,
-                       seed: int, paired: bool) -> tuple[float, float]:
-    """Percentile-bootstrap interval of quantile(candidate, q) − quantile(champion, q), two-sided at 2·level − 1
+                       seed: int, paired: bool, statistic: str = "quantile") -> tuple[float, float]:
+    """Percentile-bootstrap interval of tail(candidate) − tail(champion) (`tail_of`), two-sided at 2·level − 1
     (so the lower bound is the one-sided bound at `level`). Scores: higher is better. Paired arrays are
     resampled together (index i of both is one record)."""
 
     def gain(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
-        return np.quantile(y, q, axis=axis) - np.quantile(x, q, axis=axis)
+        return tail_of(y, q, statistic, axis) - tail_of(x, q, statistic, axis)
 
     res = bootstrap((champion, candidate), gain, paired=paired, vectorized=True, n_resamples=resamples,
                     confidence_level=2 * level - 1, method="percentile", rng=np.random.default_rng(seed))
@@ -128,7 +142,7 @@ def _domain_rows(champion: Sequence[RequestSample], candidate: Sequence[RequestS
     rows = []
     for name in sorted(groups):
         a, b = (np.asarray(v, dtype=float) for v in groups[name])
-        tail = [_tail(sign * x, q) * sign if len(x) else None for x in (a, b)]
+        tail = [_tail(sign * x, q, config.tail_statistic) * sign if len(x) else None for x in (a, b)]
         mean = [float(x.mean()) if len(x) else None for x in (a, b)]
         checked = len(groups) > 1 and len(a) >= config.min_domain_samples and len(b) >= config.min_domain_samples
         regressed = checked and (_dropped(sign * (tail[1] - tail[0]), tail[0], config.domain_tolerance)
@@ -153,11 +167,13 @@ def compare(champion: Sequence[RequestSample], candidate: Sequence[RequestSample
     b = np.fromiter((values(s) for s in candidate), dtype=float, count=len(candidate))
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"compare needs >= 2 samples per head, got {len(a)} champion and {len(b)} candidate")
-    tail_a, tail_b = sign * _tail(sign * a, q), sign * _tail(sign * b, q)
+    stat = config.tail_statistic
+    tail_a, tail_b = sign * _tail(sign * a, q, stat), sign * _tail(sign * b, q, stat)
     low, high = tail_gain_interval(sign * a, sign * b, q=q, level=config.confidence_level,
-                                   resamples=config.bootstrap_resamples, seed=config.seed, paired=paired)
+                                   resamples=config.bootstrap_resamples, seed=config.seed, paired=paired,
+                                   statistic=stat)
     mean_a, mean_b = float(a.mean()), float(b.mean())
-    return Comparison(metric=metric, higher_is_better=higher, quantile=q_natural, paired=paired,
+    return Comparison(metric=metric, higher_is_better=higher, quantile=q_natural, statistic=stat, paired=paired,
                       n_champion=len(a), n_candidate=len(b), tail_champion=tail_a, tail_candidate=tail_b,
                       tail_gain=sign * (tail_b - tail_a), ci_low=low, ci_high=high, level=config.confidence_level,
                       mean_champion=mean_a, mean_candidate=mean_b, mean_gain=sign * (mean_b - mean_a),
@@ -186,18 +202,26 @@ def _fmt(x: float) -> str:
 def _units(cmp: Comparison) -> tuple[str, Callable[[float], str], Callable[[float], str]]:
     """The tail's name, a value's format and a gain's format: accept length in tokens, TPOT in ms."""
     if cmp.metric == "tpot_s":
-        return (f"P{round(100 * cmp.quantile)} TPOT", lambda x: f"{1000 * x:.1f} ms",
-                lambda x: f"{1000 * x:+.1f} ms")
-    return f"p{round(100 * cmp.quantile)} accept length", lambda x: f"{x:.3f}", _fmt
+        what = f"P{round(100 * cmp.quantile)} TPOT" if cmp.statistic == "quantile" else \
+            f"mean TPOT of the slowest {round(100 * (1 - cmp.quantile))}%"
+        return what, lambda x: f"{1000 * x:.1f} ms", lambda x: f"{1000 * x:+.1f} ms"
+    what = f"p{round(100 * cmp.quantile)} accept length" if cmp.statistic == "quantile" else \
+        f"mean accept length of the lowest {round(100 * cmp.quantile)}%"
+    return what, lambda x: f"{x:.3f}", _fmt
 
 
-def _judge(cmp: Comparison, config: PolicyConfig, stage: str) -> Decision:
-    """promote / reject on a comparison whose sample counts are already large enough."""
-    ev = {"gate": stage, **cmp.as_dict()}
+def _judge(cmp: Comparison, config: PolicyConfig, stage: str, margin: float = 0.0) -> Decision:
+    """promote / reject on a comparison whose sample counts are already large enough. `margin` > 0: a
+    non-inferiority test (the tail's lower bound above -margin x the champion's tail) instead of a gain."""
+    floor = -margin * abs(cmp.tail_champion)
+    ev = {"gate": stage, **cmp.as_dict(), **({"margin": margin, "floor": floor} if margin > 0 else {})}
     what, val, gain = _units(cmp)
     mean_what = "mean TPOT" if cmp.metric == "tpot_s" else "mean accept length"
     ci = f"[{gain(cmp.ci_low)}, {gain(cmp.ci_high)}]"
-    if not cmp.ci_low > 0:
+    if margin > 0 and not cmp.ci_low > floor:
+        return Decision(REJECT, f"{what} may be worse by more than the {margin:.0%} margin: gain "
+                                f"{gain(cmp.tail_gain)}, interval {ci} not above {gain(floor)} at {cmp.level:.0%}.", ev)
+    if margin <= 0 and not cmp.ci_low > 0:
         return Decision(REJECT, f"{what} does not improve significantly: gain {gain(cmp.tail_gain)}, interval {ci} "
                                 f"not above 0 at {cmp.level:.0%}.", ev)
     if _dropped(cmp.mean_gain, cmp.mean_champion, config.mean_tolerance):
@@ -210,6 +234,10 @@ def _judge(cmp: Comparison, config: PolicyConfig, stage: str) -> Decision:
                           f"{val(r.mean_champion)} -> {val(r.mean_candidate)})" for r in bad)
         return Decision(REJECT, f"domain {names} regresses by more than the {config.domain_tolerance:.0%} "
                                 "tolerance.", ev)
+    if margin > 0:
+        return Decision(PROMOTE, f"{what} holds live within the {margin:.0%} margin: gain {gain(cmp.tail_gain)} "
+                                 f"({val(cmp.tail_champion)} -> {val(cmp.tail_candidate)}), interval {ci} above "
+                                 f"{gain(floor)} at {cmp.level:.0%}.", ev)
     return Decision(PROMOTE, f"{what} improves by {gain(cmp.tail_gain)} ({val(cmp.tail_champion)} -> "
                              f"{val(cmp.tail_candidate)}), interval {ci} above 0 at {cmp.level:.0%}.", ev)
 
@@ -240,11 +268,12 @@ def offline_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestS
 def canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
                 config: PolicyConfig) -> Decision:
     """Live canary, both heads' requests since the canary began (unpaired): continue until each head has
-    config.canary_min_requests, then promote or reject (one look, so no repeated-testing inflation)."""
+    config.canary_min_requests, then promote or reject (one look, so no repeated-testing inflation). With
+    config.canary_margin > 0 it is a non-inferiority check: the tail may not be worse beyond the margin."""
     wait = _too_few("canary", len(champion), len(candidate), config.canary_min_requests, "live requests")
     if wait is not None:
         return wait
-    return _judge(compare(champion, candidate, config), config, "canary")
+    return _judge(compare(champion, candidate, config), config, "canary", margin=config.canary_margin)
 
 
 def cold_start_gate(plain: Sequence[RequestSample], candidate: Sequence[RequestSample],
@@ -307,5 +336,5 @@ def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[Reque
 __all__ = [
     "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "Decision", "DomainRow",
     "canary_gate", "cold_start_gate", "compare", "offline_gate", "pair_by_request", "rollback_check",
-    "tail_gain_interval",
+    "tail_gain_interval", "tail_of",
 ]

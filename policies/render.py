@@ -33,7 +33,8 @@ def _pair(ev: dict, key: str, scale: float, digits: int) -> str:
 
 
 def tail_cell(ev: dict) -> str:
-    """'p5 1.412→1.465 [+0.021,+0.088]' (accept length) or 'P95 TPOT 41.2→33.0ms [+2.1,+9.7]' (cold start)."""
+    """'p5 1.412→1.465 [+0.021,+0.088]' (accept length) or 'P95 TPOT 41.2→33.0ms [+2.1,+9.7]' (cold start);
+    'low25 ...' when the tail is the mean of the lowest 25% (tail_statistic: tail_mean)."""
     tpot = ev.get("metric") == "tpot_s"
     scale, digits, unit = (1000.0, 1, "ms") if tpot else (1.0, 3, "")
     pair = _pair(ev, "tail", scale, digits)
@@ -42,6 +43,8 @@ def tail_cell(ev: dict) -> str:
     q = _num(ev.get("quantile"))
     pct = round(100 * q) if q is not None else "?"
     label = f"P{pct} TPOT " if tpot else f"p{pct} "
+    if ev.get("statistic") == "tail_mean":  # the mean beyond the quantile: "low25 ...", "top5 TPOT ..."
+        label = f"top{round(100 - 100 * q) if q is not None else '?'} TPOT " if tpot else f"low{pct} "
     lo, hi = _num(ev.get("ci_low")), _num(ev.get("ci_high"))
     ci = f" [{lo * scale:+.{digits}f},{hi * scale:+.{digits}f}]" if lo is not None and hi is not None else ""
     return f"{label}{pair}{unit}{ci}"

@@ -197,8 +197,12 @@ class StackConfig(_Section):
                                                **update})
 
     def nearline_config(self) -> NearlineConfig:
-        return self.trainer.nearline(str(self.registry_path), str(self.state_path / "trainer"), self.store_config,
-                                     self.serving.target)
+        cfg = self.trainer.nearline(str(self.registry_path), str(self.state_path / "trainer"), self.store_config,
+                                    self.serving.target)
+        if "min_candidate_heldout" not in self.trainer.inner_fields():
+            # a candidate is worth writing once the policy's offline gate has enough records to judge it
+            cfg = cfg.model_copy(update={"min_candidate_heldout": self.policy.gates().min_samples})
+        return cfg
 
 
 # ---- reading, errors, defaults ------------------------------------------------------------------------

@@ -399,7 +399,9 @@ class NearlineTrainer:
     # ---- candidates --------------------------------------------------------------------------------
     def candidate_due(self) -> bool:
         trained = self.counters["tokens_trained"] - self._tokens_at_candidate
-        if self.head is None or trained < self.cfg.min_candidate_tokens or not self.heldout_records():
+        if self.head is None or trained < self.cfg.min_candidate_tokens:
+            return False
+        if sum(len(p) for p in self.heldout.values()) < self.cfg.min_candidate_heldout:
             return False
         minutes = (time.monotonic() - self._last_candidate_t) / 60
         return trained >= self.cfg.candidate_every_tokens or minutes >= self.cfg.candidate_every_minutes

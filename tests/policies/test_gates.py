@@ -12,7 +12,7 @@ import pytest
 
 from policies.gates import (
     CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK, Decision, canary_gate, cold_start_gate, compare, offline_gate,
-    pair_by_request, rollback_check,
+    pair_by_request, rollback_check, tail_of,
 )
 from policies.samples import PLAIN, RequestSample
 from tests.policies.helpers import accept_lengths, samples, small_config
@@ -253,11 +253,14 @@ def _promotion_rate(gate, draw, cfg, seeds=SEEDS) -> float:
 
 @pytest.mark.parametrize("pairing", ["paired replay", "live canary"])
 @pytest.mark.parametrize("shift", [0.0, -0.03])
-def test_equal_or_worse_candidates_are_rarely_promoted(pairing, shift):
+@pytest.mark.parametrize("statistic", ["quantile", "tail_mean"])
+def test_equal_or_worse_candidates_are_rarely_promoted(pairing, shift, statistic):
     """Tail test alone (tolerances wide open, level 0.9 so that false promotions are frequent enough to
     measure): the rate stays within the configured 1 - level plus sampling slack (2.5 binomial sds)."""
+    if statistic == "tail_mean" and pairing == "live canary" and shift < 0:
+        pytest.skip("covered by the equal-head case")
     cfg = small_config(confidence_level=0.9, mean_tolerance=0.5, domain_tolerance=0.5, min_samples=200,
-                       canary_min_requests=200, bootstrap_resamples=500)
+                       canary_min_requests=200, bootstrap_resamples=500, tail_statistic=statistic)
     gate = offline_gate if pairing == "paired replay" else canary_gate
     draw = (lambda s: paired(shift, n=250, seed=s, noise=0.3)) if gate is offline_gate else \
         (lambda s: unpaired(shift, n=250, seed=s))
@@ -271,3 +274,42 @@ def test_clearly_better_candidates_are_promoted():
     cfg = small_config(bootstrap_resamples=500)
     assert _promotion_rate(offline_gate, lambda s: paired(0.3, n=250, seed=s, noise=0.3), cfg, seeds=20) >= 0.9
     assert _promotion_rate(canary_gate, lambda s: unpaired(0.3, n=250, seed=s), cfg, seeds=20) >= 0.8
+
+
+def test_a_non_inferiority_canary_passes_an_equal_head_and_stops_a_clearly_worse_one():
+    """canary_margin > 0: the canary confirms live what the paired offline gate proved; an equal head passes
+    (the strict canary rejects it), one worse beyond the margin does not, and the reason names the margin."""
+    cfg = small_config(canary_margin=0.1, bootstrap_resamples=500)
+    equal = canary_gate(*unpaired(0.0), cfg)
+    assert canary_gate(*unpaired(0.0), CFG).action == REJECT
+    assert equal.action == PROMOTE and "10% margin" in equal.reason
+    assert equal.evidence["floor"] < 0 and equal.evidence["ci_low"] > equal.evidence["floor"]
+    worse = canary_gate(*unpaired(-0.6), cfg)  # the tail ~14% lower
+    assert worse.action == REJECT and "worse by more than the 10% margin" in worse.reason
+    assert worse.reason.count(". ") == 0 and worse.reason.endswith(".")
+    # the offline gate ignores the canary margin: a gain must still be shown on paired replay
+    assert offline_gate(*identical(), cfg).action == REJECT
+    # mean and domain checks still apply to a non-inferior canary
+    assert canary_gate(*one_domain_regresses(), small_config(canary_margin=0.2, canary_min_requests=20)).action \
+        == REJECT
+
+
+def test_the_tail_mean_averages_the_lowest_share_and_resolves_a_gain_a_quartile_cannot_at_small_n():
+    x = np.array([5.0, 1.0, 3.0, 2.0, 8.0, 4.0, 7.0, 6.0])
+    assert tail_of(x, 0.25, "tail_mean") == 1.5 and tail_of(x, 0.3, "tail_mean") == 2.0  # ceil(q·n) lowest
+    assert tail_of(x, 0.25) == np.quantile(x, 0.25)
+    grid = np.stack([x, x + 1.0, x[::-1]])
+    assert np.allclose(tail_of(grid, 0.25, "tail_mean", axis=-1), [1.5, 2.5, 1.5])  # vectorised, any order
+    assert np.allclose(tail_of(grid.T, 0.25, "tail_mean", axis=0), [1.5, 2.5, 1.5])
+    with pytest.raises(ValueError, match="tail_mean"):
+        tail_of(x, 0.25, "median")
+    # 32 paired records, a candidate better by a few percent everywhere with per-record noise: the quartile
+    # difference interpolates one or two records, the tail mean averages eight of them
+    cfg = small_config(min_samples=20, min_domain_samples=10, tail_quantile=0.25, confidence_level=0.9,
+                       bootstrap_resamples=500)
+    rates = {stat: _promotion_rate(offline_gate, lambda s: paired(0.06, n=32, seed=s, noise=0.08),
+                                   cfg.model_copy(update={"tail_statistic": stat}), seeds=40)
+             for stat in ("quantile", "tail_mean")}
+    assert rates["tail_mean"] > rates["quantile"], rates
+    d = offline_gate(*paired(0.3), small_config(tail_statistic="tail_mean"))
+    assert d.action == PROMOTE and "lowest 5%" in d.reason and d.evidence["statistic"] == "tail_mean"

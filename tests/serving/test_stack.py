@@ -28,6 +28,9 @@ def test_the_stack_config_is_one_yaml_whose_errors_name_the_key(tmp_path, monkey
     assert cfg.store_config.local_root == str(tmp_path / "store") and cfg.nearline_config().lr == 1e-3
     assert cfg.nearline_config().registry == str(tmp_path / "registry") and cfg.policy.gates().min_samples == 150
     assert cfg.promotion_log == tmp_path / "registry" / "promotions.jsonl"
+    assert cfg.nearline_config().min_candidate_heldout == 150  # no candidate before the offline gate can judge it
+    own = parse_stack_config({"state_dir": str(tmp_path), "trainer": {"min_candidate_heldout": 7}})
+    assert own.nearline_config().min_candidate_heldout == 7
     for bad, named in [({"servng": {}}, "servng: unknown key"), ({"trainer": {"lrr": 1}}, "trainer.lrr: unknown key"),
                        ({"serving": {"port": 70000}}, "serving.port"), ({"trainer": {"work_dir": "x"}}, "trainer.work_dir"),
                        ({"policy": {"canary_fraction": 0.9}}, "policy.canary_fraction"),

@@ -214,8 +214,8 @@ def test_nearline_trainer_grows_one_expert_for_a_domain_that_stays_low(tmp_path)
     writer.close()
     cfg = NearlineConfig(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store,
                          batch_tokens=256, min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0,
-                         heldout_percent=20, candidate_every_tokens=400, min_candidate_tokens=100, tree_depth=3,
-                         tree_topk=2, tree_draft_tokens=6, drift_min_records=2, drift_sustain=2,
+                         heldout_percent=20, candidate_every_tokens=400, min_candidate_tokens=100,
+                         min_candidate_heldout=1, tree_depth=3, tree_topk=2, tree_draft_tokens=6, drift_min_records=2, drift_sustain=2,
                          moe_grow=True, moe_max_experts=3, moe_grow_after_records=3)
     tr = NearlineTrainer(cfg, target=target)
     tr.start()

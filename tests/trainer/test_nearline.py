@@ -45,7 +45,8 @@ def setup_run(tmp_path, world, **over):
     writer.close()
     kw = dict(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store, batch_tokens=256,
               min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0, heldout_percent=20,
-              candidate_every_tokens=400, min_candidate_tokens=100, tree_depth=3, tree_topk=2, tree_draft_tokens=6)
+              candidate_every_tokens=400, min_candidate_tokens=100, min_candidate_heldout=1, tree_depth=3, tree_topk=2,
+              tree_draft_tokens=6)
     return NearlineConfig(**{**kw, **over}), target
 
 
@@ -116,6 +117,19 @@ def test_idle_trainer_makes_more_passes_over_the_buffer_up_to_its_budget(tmp_pat
         pass
     assert tr.last_batch["fresh"] == 0
     assert once < tr.counters["tokens_trained"] <= 2.0 * tr.counters["tokens_received"] + cfg.batch_tokens
+
+
+def test_no_candidate_before_the_gate_has_enough_heldout_records_to_judge_it(tmp_path, world):
+    heldout = sum(is_heldout(r.request_id, 20) for r in world[2])
+    cfg, target = setup_run(tmp_path, world, min_candidate_heldout=heldout + 1)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    while tr.fresh:
+        tr.train_once(force=True)
+    assert tr.counters["tokens_trained"] >= cfg.candidate_every_tokens and not tr.candidate_due()
+    tr.heldout["code"].append(world[2][0])  # one more held-out record: now the gate can judge a candidate
+    assert tr.candidate_due()
 
 
 def test_candidate_carries_replay_scores_next_to_the_champion_and_the_trainer_follows_a_promotion(tmp_path, world):
