@@ -112,7 +112,7 @@ def score(head, target, records, tree: TreeParams) -> float:
 
 # ---- (b), (d): the near-line trainer from a store of captured traffic ----------------------------------
 def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path, budget_min: float, positions: str,
-                 evals: int, eval_fn, log, lr: float) -> tuple[object, list, dict]:
+                 evals: int, eval_fn, log, lr: float, max_passes: float) -> tuple[object, list, dict]:
     """Fine-tune with NearlineTrainer for budget_min CPU-minutes; eval_fn(head) at `evals` points."""
     reg = HeadRegistry.create(work / "registry")
     shipped = load_head(head_dir)
@@ -124,7 +124,7 @@ def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path,
         writer.put(r)
     writer.close()
     cfg = NearlineConfig(registry=str(work / "registry"), work_dir=str(work / "trainer"), store=store,
-                         positions=positions, lr=lr, heldout_percent=1, candidate_every_tokens=10**9,
+                         positions=positions, lr=lr, max_passes=max_passes, heldout_percent=1, candidate_every_tokens=10**9,
                          min_candidate_tokens=1, checkpoint_every_s=10**6)
     tr = NearlineTrainer(cfg, target=target)
     tr.start()
@@ -222,6 +222,8 @@ def main() -> None:
                     default=NearlineConfig.model_fields["positions"].default, help="default: the trainer's")
     ap.add_argument("--lr", type=float, default=NearlineConfig.model_fields["lr"].default,
                     help="learning rate of (b), (c) and (d) (default: the trainer's)")
+    ap.add_argument("--max-passes", type=float, default=NearlineConfig.model_fields["max_passes"].default,
+                    help="passes over the captured records in (b) and (d) (default: the trainer's)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--train", type=int, default=160, help="captured training records per domain")
     ap.add_argument("--heldout", type=int, default=32, help="held-out records per domain")
@@ -258,7 +260,7 @@ def main() -> None:
     for positions in (["all", "generated"] if args.positions == "both" else [args.positions]):
         log(f"(b) near-line trainer on captured traffic, positions={positions}, {args.minutes} CPU-min")
         head_b, curve_b, info_b = nearline_run(target, args.head, drift, work / f"b-{positions}", args.minutes,
-                                               positions, args.evals, code_eval, log, args.lr)
+                                               positions, args.evals, code_eval, log, args.lr, args.max_passes)
         results[positions] = {"code": curve_b[-1][1], "english": en_eval(head_b), **info_b}
         curves[f"(b) near-line, captured traffic, {positions} positions"] = curve_b
     best = max(results, key=lambda k: results[k]["code"])
@@ -270,7 +272,7 @@ def main() -> None:
     curves["(c) offline, ShareGPT code"] = curve_c
     log(f"(d) near-line trainer on captured English only, {args.minutes} CPU-min")
     head_d, _, info_d = nearline_run(target, args.head, traffic["english-train"], work / "d", args.minutes, best,
-                                     1, lambda h: 0.0, log, args.lr)
+                                     1, lambda h: 0.0, log, args.lr, args.max_passes)
     d_en = en_eval(head_d)
 
     gain_c = c_code - a_code
