@@ -124,8 +124,8 @@ def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path,
         writer.put(r)
     writer.close()
     cfg = NearlineConfig(registry=str(work / "registry"), work_dir=str(work / "trainer"), store=store,
-                         positions=positions, lr=lr, max_passes=max_passes, heldout_percent=1, candidate_every_tokens=10**9,
-                         min_candidate_tokens=1, checkpoint_every_s=10**6)
+                         positions=positions, lr=lr, max_passes=max_passes, heldout_percent=1,
+                         candidate_every_tokens=10**9, min_candidate_tokens=1, checkpoint_every_s=10**6)
     tr = NearlineTrainer(cfg, target=target)
     tr.start()
     while tr.poll():
@@ -277,7 +277,8 @@ def main() -> None:
 
     gain_c = c_code - a_code
     summary = {
-        "machine_threads": torch.get_num_threads(), "minutes": args.minutes, "lr": args.lr, "positions_default": best,
+        "machine_threads": torch.get_num_threads(), "minutes": args.minutes, "lr": args.lr,
+        "positions_default": best,
         "records": {k: len(v) for k, v in traffic.items()}, "max_tokens": args.max_tokens,
         "drift_accept_length_shipped": round(a_code, 4), "drift_accept_length_adapted": round(b_code, 4),
         "drift_accept_length_offline": round(c_code, 4),

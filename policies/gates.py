@@ -218,12 +218,10 @@ def _judge(cmp: Comparison, config: PolicyConfig, stage: str, margin: float = 0.
     what, val, gain = _units(cmp)
     mean_what = "mean TPOT" if cmp.metric == "tpot_s" else "mean accept length"
     ci = f"[{gain(cmp.ci_low)}, {gain(cmp.ci_high)}]"
-    if margin > 0 and not cmp.ci_low > floor:
-        return Decision(REJECT, f"{what} may be worse by more than the {margin:.0%} margin: gain "
-                                f"{gain(cmp.tail_gain)}, interval {ci} not above {gain(floor)} at {cmp.level:.0%}.", ev)
-    if margin <= 0 and not cmp.ci_low > 0:
-        return Decision(REJECT, f"{what} does not improve significantly: gain {gain(cmp.tail_gain)}, interval {ci} "
-                                f"not above 0 at {cmp.level:.0%}.", ev)
+    if not cmp.ci_low > floor:  # floor is 0 without a margin: the tail must improve
+        why = f"may be worse by more than the {margin:.0%} margin" if margin > 0 else "does not improve significantly"
+        return Decision(REJECT, f"{what} {why}: gain {gain(cmp.tail_gain)}, interval {ci} not above "
+                                f"{gain(floor) if margin > 0 else 0} at {cmp.level:.0%}.", ev)
     if _dropped(cmp.mean_gain, cmp.mean_champion, config.mean_tolerance):
         return Decision(REJECT, f"the {mean_what} regresses ({val(cmp.mean_champion)} -> "
                                 f"{val(cmp.mean_candidate)}), more than the "

@@ -117,8 +117,10 @@ class TrainerSection(_Wrapping):
     def placeholders(self) -> dict[str, Any]:
         return {"registry": ".", "work_dir": ".", "store": StoreConfig(local_root=".")}
 
-    def nearline(self, registry: str, work_dir: str, store: StoreConfig, target: str) -> NearlineConfig:
-        return NearlineConfig(**{"target": target, **self.inner_fields(), "registry": registry,
+    def nearline(self, registry: str, work_dir: str, store: StoreConfig, target: str,
+                 defaults: dict[str, Any] | None = None) -> NearlineConfig:
+        """The trainer's config: the section's own fields over `defaults` (what the stack derives)."""
+        return NearlineConfig(**{"target": target, **(defaults or {}), **self.inner_fields(), "registry": registry,
                                  "work_dir": work_dir, "store": store})
 
 
@@ -197,12 +199,10 @@ class StackConfig(_Section):
                                                **update})
 
     def nearline_config(self) -> NearlineConfig:
-        cfg = self.trainer.nearline(str(self.registry_path), str(self.state_path / "trainer"), self.store_config,
-                                    self.serving.target)
-        if "min_candidate_heldout" not in self.trainer.inner_fields():
-            # a candidate is worth writing once the policy's offline gate has enough records to judge it
-            cfg = cfg.model_copy(update={"min_candidate_heldout": self.policy.gates().min_samples})
-        return cfg
+        # a candidate is worth writing once the policy's offline gate has enough records to judge it
+        return self.trainer.nearline(str(self.registry_path), str(self.state_path / "trainer"), self.store_config,
+                                     self.serving.target,
+                                     defaults={"min_candidate_heldout": self.policy.gates().min_samples})
 
 
 # ---- reading, errors, defaults ------------------------------------------------------------------------

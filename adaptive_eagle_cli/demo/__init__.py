@@ -15,7 +15,6 @@ report.md), run (the steps in order). Owns: the command line only. Must not touc
 from __future__ import annotations
 
 import signal
-
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +24,10 @@ demo_app = typer.Typer(add_completion=False)
 
 QUICK = {"minutes": 3.5, "max_tokens": 32, "think_s": 0.5, "control_every": 3, "greedy_checks": 3,
          "max_prompt_chars": 300}
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 @demo_app.command("demo")
@@ -84,8 +87,3 @@ def demo(
 
 
 __all__ = ["demo_app"]
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
