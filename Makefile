@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: setup demo test test-fast bench redis-server clean
 
@@ -30,8 +31,9 @@ redis-server:
 	  echo "installing redis-server (apt-get)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
 
+# make demo DEMO_ARGS="--minutes 60": a run long enough for a promotion on 2 CPU cores
 demo: setup
-	$(VENV)/bin/adaptive-eagle demo
+	$(VENV)/bin/adaptive-eagle demo $(DEMO_ARGS)
 
 # starts a throwaway redis-server for the tests and stops it afterwards
 test: setup redis-server
