@@ -27,7 +27,7 @@ class TrainerActor:
                  yield_to: Callable[[], bool] | None = None) -> None:
         cfg = NearlineConfig.model_validate_json(config_json)
         self.trainer = NearlineTrainer(cfg, target=target_builder() if target_builder is not None else None,
-                                       yield_to=yield_to)
+                                       yield_to=yield_to, worker_target=target_builder)
         self._stop = threading.Event()
         self.error: str | None = None
         self._thread = threading.Thread(target=self._loop, name="nearline-trainer", daemon=True)

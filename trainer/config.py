@@ -94,10 +94,19 @@ class NearlineConfig(BaseModel):
     device: str = Field("auto", description="'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
     seed: int = 0
 
+    # scale-out (trainer/scaleout.py)
+    workers: int = Field(1, ge=1, le=1024, description="1: the step runs in the trainer's process; more: on a Ray "
+                         "Train worker group of this size (TorchTrainer, DDP: each worker builds and trains a shard "
+                         "of every batch, gradients averaged), one GPU a worker when device is CUDA")
+    worker_cpus: float = Field(1.0, gt=0, le=256, description="Ray CPUs (and torch threads) of each worker")
+
     @model_validator(mode="after")
     def _check(self) -> "NearlineConfig":
         if self.min_candidate_tokens > self.candidate_every_tokens:
             raise ValueError("min_candidate_tokens must be <= candidate_every_tokens")
+        if self.workers > 1 and self.moe_grow:
+            raise ValueError("moe_grow needs workers 1: growing an expert changes the head's parameters mid-run, "
+                             "which a data-parallel worker group cannot follow")
         return self
 
     @property

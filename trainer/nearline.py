@@ -43,6 +43,7 @@ from trainer.config import NearlineConfig
 from trainer.drift import DriftMonitor
 from trainer.moe import MoEGrowth, candidate_meta
 from trainer.replay import ReplayScore, replay_heads, replay_metrics
+from trainer.scaleout import DataParallelStep
 from trainer.state import POOL_FILE, read_pool, read_state, restore_optimizer, write_pool, write_state
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
 from trainer.traffic import TrafficRow, make_traffic_batch, row_from_record
@@ -86,9 +87,11 @@ class TrainerStatus:
 
 class NearlineTrainer:
     def __init__(self, cfg: NearlineConfig, *, target: Target | None = None, reader: StoreReader | None = None,
-                 yield_to: Callable[[], bool] | None = None) -> None:
+                 yield_to: Callable[[], bool] | None = None,
+                 worker_target: Callable[[], Target] | None = None) -> None:
         """yield_to: called before each step; True makes the trainer wait (e.g. requests are queued on a
-        machine whose cores it shares with a server)."""
+        machine whose cores it shares with a server). worker_target: with cfg.workers > 1, a picklable
+        builder of each data-parallel worker's target (None: the workers load the trainer's target by name)."""
         self.cfg = cfg
         self.registry = HeadRegistry(cfg.registry)
         self.reader = reader or StoreReader(cfg.store, cfg.group, cfg.consumer)
@@ -120,6 +123,11 @@ class NearlineTrainer:
         self.events: deque[str] = deque(maxlen=200)  # drift and candidate lines, newest last
         self._last_checkpoint = self._last_candidate_t = self._last_champion_check = time.monotonic()
         self._tokens_at_candidate = 0
+        # data-parallel step (cfg.workers > 1): the worker group, started at the first step; whether it holds
+        # self.head yet, and whether self.head is behind the workers' weights
+        self.worker_target = worker_target
+        self.data_parallel: DataParallelStep | None = None
+        self._pushed = self._stale = False
 
     @staticmethod
     def _zero_counters() -> dict:
@@ -169,6 +177,7 @@ class NearlineTrainer:
     def _set_head(self, head: Eagle3DraftHead | None) -> None:
         self.head = None if head is None else head.to(self.device)
         self.opt = None if head is None else adamw(self.head, self.cfg.lr, self.cfg.weight_decay)
+        self._pushed = self._stale = False  # a data-parallel worker group gets this head at the next step
 
     def follow_champion(self) -> bool:
         """Restart from the registry's champion when it changed (a promotion, a rollback). True if it did."""
@@ -287,17 +296,20 @@ class NearlineTrainer:
         if self.moe is not None and (grown := self.moe.grow(self.head, self.target)) is not None:
             self._set_head(grown.head.float().train())  # a new optimizer over the grown head's parameters
             self._note(grown.describe())
-        tb = make_traffic_batch(self.target, self.head, rows, self.device)
         step = self.counters["steps"]
-        with self.moe.supervise(self.head, tb) if self.moe is not None else nullcontext() as extra:
-            stats = train_step(self.head, tb.batch, self.opt, self._schedule(), self._step_config(), step=step,
-                               extra_loss=extra)
+        if self.cfg.workers > 1:
+            stats, tokens, regenerated = self._step_data_parallel(rows, step)
+        else:
+            tb = make_traffic_batch(self.target, self.head, rows, self.device)
+            with self.moe.supervise(self.head, tb) if self.moe is not None else nullcontext() as extra:
+                stats = train_step(self.head, tb.batch, self.opt, self._schedule(), self._step_config(), step=step,
+                                   extra_loss=extra)
+            tokens, regenerated = tb.tokens, tb.regenerated
         self.counters["steps"] += 1
-        self.counters["tokens_trained"] += tb.tokens
-        self.counters["regenerated_rows"] += tb.regenerated
+        self.counters["tokens_trained"] += tokens
+        self.counters["regenerated_rows"] += regenerated
         self.loss = stats.loss
-        self.last_batch = {"fresh": len(fresh), "replay": len(replayed), "tokens": tb.tokens,
-                           "regenerated": tb.regenerated}
+        self.last_batch = {"fresh": len(fresh), "replay": len(replayed), "tokens": tokens, "regenerated": regenerated}
         for delivery_id, rec in fresh:
             payload = encode_record(rec, self.cfg.store.codec)
             self.buffer.add(payload, rec.domain, len(payload))
@@ -306,6 +318,31 @@ class NearlineTrainer:
             self.counters["records_trained"] += 1
             self._widen_window(rec)
         return stats
+
+    def _step_data_parallel(self, rows: list[TrafficRow], step: int) -> tuple[StepStats, int, int]:
+        """The step on the worker group (started at the first call; given the head whenever it changed)."""
+        if self.data_parallel is None:
+            self.data_parallel = DataParallelStep(
+                self.cfg.workers, device=self.device.type, storage=self.work_dir / "ray-train",
+                target=self.cfg.target or str(self.target.path), target_builder=self.worker_target,
+                cpus_per_worker=self.cfg.worker_cpus)
+            self._note(f"data-parallel step on {self.cfg.workers} Ray Train workers (DDP)")
+        if not self._pushed:
+            self.data_parallel.load(self.head, self.opt, self.cfg.lr, self.cfg.weight_decay)
+            self._pushed = True
+        out = self.data_parallel.step(rows, step, self._schedule()(step), self._step_config())
+        self._stale = True
+        return out
+
+    def sync_head(self) -> None:
+        """Bring self.head (and the optimizer's moments) level with the workers' after data-parallel steps."""
+        if not self._stale or self.data_parallel is None:
+            return
+        state = self.data_parallel.state()
+        weights = {**state["state"], "embed_tokens.weight": self.head.embed_tokens.weight.detach()}
+        self.head.load_state_dict(weights)
+        self.opt.load_state_dict(state["optimizer"])
+        self._stale = False
 
     def _replay(self, n: int) -> list[TraceRecord]:
         return [decode_record(p) for _, p in self.buffer.sample(n, self.drift.weights())]
@@ -352,6 +389,7 @@ class NearlineTrainer:
     # ---- checkpoint and ack ------------------------------------------------------------------------
     def checkpoint(self) -> None:
         """Write the state atomically, then ack every record it covers."""
+        self.sync_head()
         if self.head is not None:
             with staging_dir(self.work_dir / STATE, overwrite=True) as d:
                 meta = {"base": self.base, "counters": self.counters, "buffer_seen": self.buffer.seen(),
@@ -420,6 +458,7 @@ class NearlineTrainer:
     def write_candidate(self) -> str | None:
         """Save the current head as a candidate version with its replay scores next to the champion's."""
         self.state = "evaluating"
+        self.sync_head()
         cand = copy.deepcopy(self.head).to(torch.bfloat16).float().eval()  # exactly what the registry stores
         score, champ, skipped = self.evaluate(cand)
         name = self._candidate_name()
@@ -511,6 +550,9 @@ class NearlineTrainer:
             moe=self.moe.status() if self.moe is not None else None)
 
     def close(self) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.close()
+            self.data_parallel = None
         self.reader.close()
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from adaptive_eagle.draft_head import Eagle3DraftHead
-from trainer.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, TTTBatch, ttt_loss
+from trainer.ttt import DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, TTTBatch, TTTOutput, ttt_loss
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -100,12 +100,15 @@ def train_step(
     step: int,
     generator: torch.Generator | None = None,
     extra_loss: Callable[[], torch.Tensor] | None = None,
+    objective: Callable[[TTTBatch], tuple[torch.Tensor, TTTOutput]] | None = None,
 ) -> StepStats:
     """One optimizer update of `head` on `batch`: lr ← schedule(step) → TTT loss → backward → clip → step.
 
     `head` and `batch` must be on the same device; autocast (when cfg.bf16) runs on that device's
     type. `schedule` None keeps the optimizer's current lr. `generator` samples the scored chains
-    when cfg.max_loss_rows caps them. A non-finite gradient norm skips the update (the parameters
+    when cfg.max_loss_rows caps them. `objective(batch) -> (loss, TTTOutput)` replaces the TTT loss
+    of `head` (trainer/scaleout.py passes its DistributedDataParallel wrapper of the same loss, so
+    backward averages the gradients over the workers). A non-finite gradient norm skips the update (the parameters
     and the optimizer state are left as they were) and says so in ``StepStats.skipped``: one bad
     batch of live traffic must not poison a continually trained head.
     """
@@ -113,9 +116,14 @@ def train_step(
         set_lr(optimizer, schedule(step))
     device_type = batch.aux.device.type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16):
-        out = ttt_loss(head, batch, steps=cfg.ttt_steps, decay=cfg.step_decay, max_loss_rows=cfg.max_loss_rows,
-                       generator=generator)
-        loss = out.loss if extra_loss is None else out.loss + extra_loss()
+        if objective is None:
+            out = ttt_loss(head, batch, steps=cfg.ttt_steps, decay=cfg.step_decay, max_loss_rows=cfg.max_loss_rows,
+                           generator=generator)
+            loss = out.loss
+        else:
+            loss, out = objective(batch)
+        if extra_loss is not None:
+            loss = loss + extra_loss()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for group in optimizer.param_groups for p in group["params"]]
