@@ -4,8 +4,11 @@ capture at 100% into a local store, in one run on the same target.
 
 Baseline vs subject: the same replica setup twice — capture disabled, and every request captured
 with its aux hidden states (`CapturePolicy(fraction=1)`, no byte budget limit) into a local Arrow
-store — run one after the other at each concurrency level. One replica (the machine's cores are
-shared by everything; `--replicas` for more). TPOT is measured at the client (wall time of the
+store — run at each concurrency level in ABBA order (off, capture, capture, off; half the requests a
+run), so slow drift of a shared machine falls on both alike. Prompts (smollm2): distinct held-out
+ShareGPT English first turns, the same ones in the same order for both modes, none sent twice to a
+gateway (a repeated prompt would be answered from the suffix index of earlier outputs). One replica
+(the machine's cores are shared by everything; `--replicas` for more). TPOT is measured at the client (wall time of the
 request, queueing included, per output token) and at the server (decode time per token, the
 response's `adaptive_eagle.tpot_s`). Greedy requests, `--max-tokens` each.
 
@@ -31,12 +34,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ENGLISH = ["Give me three tips for writing clear emails.", "Explain what a hash table is to a beginner.",
-           "Write a short poem about the sea.", "How do I make a cup of green tea?",
-           "What are the benefits of regular exercise?", "Summarise the plot of Romeo and Juliet.",
-           "Write a Python function that reverses a string.", "Why is the sky blue?",
-           "List five fruits that are rich in vitamin C.", "How does a bicycle stay upright?",
-           "Describe a good morning routine.", "What is the difference between weather and climate?"]
 TINY = ["w5 w9 w12 w7 w30", "w40 w41 w8", "w11 w22 w33 w44 w55 w6", "w17 w4 w60", "w20 w21 w22 w23",
         "w50 w9 w31 w14"]
 
@@ -74,11 +71,14 @@ def smollm2_setup(tmp: Path):
     from adaptive_eagle.cli import SHIPPED_HEAD
     from adaptive_eagle.registry import HeadRegistry
     from adaptive_eagle.targets import load_target
+    from trainer.data import first_user_messages, load_sharegpt
 
     target = load_target()
     registry = HeadRegistry.create(tmp / "registry")
     version = registry.add(SHIPPED_HEAD)
-    return target, registry, version, ENGLISH, {}
+    # distinct real prompts: a repeated prompt would be answered from the suffix index of earlier outputs
+    prompts = first_user_messages(load_sharegpt(), 400, domains=["english"], split="heldout", max_chars=600)
+    return target, registry, version, prompts, {}
 
 
 def start_gateway(target, registry, version, engine: dict, capture: bool, store_root: Path | None, replicas: int):
@@ -99,7 +99,9 @@ def start_gateway(target, registry, version, engine: dict, capture: bool, store_
 
 
 # ---- load ------------------------------------------------------------------------------------------
-def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, offset: int = 0) -> dict:
+    """`clients` threads, `per_client` requests each, back to back, prompts from `offset` on: the raw rows,
+    failures and wall time."""
     import openai
 
     lock, rows, failures = threading.Lock(), [], []
@@ -107,7 +109,7 @@ def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_t
     def client(k: int) -> None:
         c = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
         for i in range(per_client):
-            prompt = prompts[(k * per_client + i) % len(prompts)]
+            prompt = prompts[(offset + k * per_client + i) % len(prompts)]
             t0 = time.perf_counter()
             try:
                 r = c.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompt}],
@@ -123,7 +125,14 @@ def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_t
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
-    wall = time.perf_counter() - t0
+    return {"rows": rows, "failures": failures, "wall_s": time.perf_counter() - t0}
+
+
+def summarise(runs: list[dict]) -> dict:
+    """One mode's figures at one level, pooled over its runs."""
+    rows = [r for run in runs for r in run["rows"]]
+    failures = [f for run in runs for f in run["failures"]]
+    wall = sum(run["wall_s"] for run in runs)
     tokens = sum(n for _, n, _ in rows)
     client_tpot = [w / n for w, n, _ in rows if n]
     server_tpot = [ae["tpot_s"] for _, n, ae in rows if n]
@@ -155,12 +164,20 @@ def main() -> None:
                 for mode in ("off", "capture")}
     results = []
     try:
-        for mode, (_, url, _) in gateways.items():  # warm-up: cost model, caches
+        used = 2
+        for mode, (_, url, _) in gateways.items():  # warm-up: cost model, caches (the same 2 prompts)
             run_level(url, prompts, 1, 2, max_tokens)
         for clients in levels:
-            per_client = max(1, per_level // clients)
-            for mode, (_, url, _) in gateways.items():
-                row = run_level(url, prompts, clients, per_client, max_tokens)
+            # ABBA: off, capture, capture, off - drift of a noisy machine hits both modes alike
+            # each gateway gets the same prompts in the same order, none of them seen before
+            half = max(1, per_level // clients // 2)
+            runs = {"off": [], "capture": []}
+            for k, mode in enumerate(("off", "capture", "capture", "off")):
+                offset = used + (0 if k in (0, 1) else half * clients)
+                runs[mode].append(run_level(gateways[mode][1], prompts, clients, half, max_tokens, offset))
+            used += 2 * half * clients
+            for mode in ("off", "capture"):
+                row = summarise(runs[mode])
                 results.append({"capture": mode, "clients": clients, **row})
                 print(f"  {mode:8s} c={clients:<3d} {row['requests']:3d} req  {row['tokens_per_s']:8.1f} tok/s  "
                       f"client TPOT P50 {row['client_tpot_p50_ms']:7.2f} P95 {row['client_tpot_p95_ms']:7.2f} ms  "

@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from pydantic import SecretStr
+
 from serving.stack_config import StackConfig
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,7 @@ class LocalStack:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "w") as f:
                     f.write(secrets.token_urlsafe(24))
-            serving = serving.model_copy(update={"admin_token": path.read_text().strip()})
+            serving = serving.model_copy(update={"admin_token": SecretStr(path.read_text().strip())})  # as validation makes it
             self.admin_token_source = f"{path} (Authorization: Bearer $(cat {path}))"
         self.serving = serving
 

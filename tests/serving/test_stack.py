@@ -7,6 +7,7 @@ and shuts down cleanly."""
 import json
 import time
 
+import httpx
 import openai
 import pytest
 import torch
@@ -126,7 +127,7 @@ def stack_config(tmp_path, seed_head):
         "ray": {"replica_num_cpus": 0},
         "registry": {"seed_head": seed_head},
         "serving": {"model_name": MODEL, "port": 0, "max_prompt_tokens": 40, "max_tokens_limit": 64,
-                    "default_max_tokens": 16, "admin_token": "t", "capture": {"fraction": 1.0, "seed": 0},
+                    "default_max_tokens": 16, "capture": {"fraction": 1.0, "seed": 0},
                     "engine": {"depth": 4, "topk": 3, "num_draft_tokens": 10, "cost_aware": False,
                                "prompt_lookup": False, "suffix_drafting": False, "calibration_dir": ""}},
         "store": {"fsync": False},
@@ -160,6 +161,12 @@ def test_the_stack_serves_captures_canaries_a_candidate_and_stops_cleanly(ray_se
         assert resp.choices[0].message.content == want and resp.adaptive_eagle["head_version"] == "v1"
         for p in PROMPTS[1:]:
             assert client.completions.create(model=MODEL, prompt=p, max_tokens=8).adaptive_eagle["captured"] == "hidden"
+        # no admin_token configured: the stack writes one into its state dir, and it opens /admin/*
+        token = (cfg.state_path / "admin_token").read_text().strip()
+        base = info.endpoint.removesuffix("/v1")
+        admin = httpx.get(base + "/admin/status", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        assert admin.status_code == 200 and admin.json()["champion"] == "v1", admin.text
+        assert httpx.get(base + "/admin/status", headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 403
         seen = wait_for(lambda: ray.get(local.trainer.status.remote())["records_seen"] >= 4)
         assert seen, ray.get(local.trainer.status.remote())  # the trainer actor reads what the replica captured
         assert local.signal.read() is not None  # the gateway publishes its load for the trainer
