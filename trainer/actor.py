@@ -40,6 +40,8 @@ class TrainerActor:
             self.error = f"{type(e).__name__}: {e}"
             self.trainer.state = f"error: {self.error}"
             raise
+        finally:
+            self.trainer.close()  # the store reader, and a data-parallel worker group if one runs
 
     async def status(self) -> dict:
         return self.trainer.status().to_dict()
