@@ -126,6 +126,7 @@ class NearlineTrainer:
         # data-parallel step (cfg.workers > 1): the worker group, started at the first step; whether it holds
         # self.head yet, and whether self.head is behind the workers' weights
         self.worker_target = worker_target
+        self.target_spec: str | None = None  # what start() loaded the target from (the workers load the same)
         self.data_parallel: DataParallelStep | None = None
         self._pushed = self._stale = False
 
@@ -137,7 +138,8 @@ class NearlineTrainer:
     # ---- start, resume, follow the champion ---------------------------------------------------------
     def start(self) -> None:
         if self.target is None:
-            self.target = load_target(self.cfg.target or self._champion_target_name(), purpose="train")
+            self.target_spec = self.cfg.target or self._champion_target_name()
+            self.target = load_target(self.target_spec, purpose="train")
         champion = self.registry.champion()
         if (self.work_dir / STATE / "trainer.json").exists() and self._resume(champion):
             return
@@ -324,7 +326,7 @@ class NearlineTrainer:
         if self.data_parallel is None:
             self.data_parallel = DataParallelStep(
                 self.cfg.workers, device=self.device.type, storage=self.work_dir / "ray-train",
-                target=self.cfg.target or str(self.target.path), target_builder=self.worker_target,
+                target=self.target_spec or str(self.target.path), target_builder=self.worker_target,
                 cpus_per_worker=self.cfg.worker_cpus)
             self._note(f"data-parallel step on {self.cfg.workers} Ray Train workers (DDP)")
         if not self._pushed:
