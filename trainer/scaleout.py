@@ -26,12 +26,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
-from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead
+from adaptive_eagle.draft_head import Eagle3DraftHead
+from trainer.state import head_from_weights, head_weights
 from trainer.step import StepConfig, StepStats, adamw, set_lr, train_step
 from trainer.traffic import TrafficRow, make_traffic_batch
 from trainer.ttt import TTTBatch, ttt_loss
@@ -86,19 +87,8 @@ def merge_stats(stats: Sequence[StepStats], tokens: int) -> StepStats:
 
 def head_payload(head: Eagle3DraftHead, opt: torch.optim.Optimizer | None) -> dict:
     """What a worker needs to rebuild `head` (its embedding comes from the worker's own target)."""
-    return {"config": head.cfg.to_dict(),
-            "state": {k: v.detach().cpu() for k, v in head.state_dict().items() if k != "embed_tokens.weight"},
+    return {"config": head.cfg.to_dict(), "state": head_weights(head),
             "optimizer": opt.state_dict() if opt is not None else None}
-
-
-def build_head(payload: dict, target, device) -> Eagle3DraftHead:
-    cfg = dict(payload["config"])
-    cfg["aux_layer_ids"] = tuple(cfg["aux_layer_ids"])
-    head = Eagle3DraftHead(DraftHeadConfig(**cfg))
-    state = dict(payload["state"])
-    state["embed_tokens.weight"] = target.input_embeddings().detach().float().cpu()
-    head.load_state_dict(state)
-    return head.float().to(device).train()
 
 
 def _worker_loop(config: dict) -> None:
@@ -126,7 +116,7 @@ def _worker_loop(config: dict) -> None:
                 outbox.put((rank, "stopped", None))
                 return
             if kind == "load":
-                head = build_head(payload, target, device)
+                head = head_from_weights(payload["config"], payload["state"], target).float().to(device).train()
                 model = DistributedDataParallel(TTTObjective(head), find_unused_parameters=True,
                                                 broadcast_buffers=False)
                 opt = adamw(head, payload["lr"], payload["weight_decay"])
@@ -259,4 +249,4 @@ class DataParallelStep:
             q.shutdown()
 
 
-__all__ = ["DataParallelStep", "ScaleOutError", "TTTObjective", "build_head", "head_payload", "merge_stats", "shards"]
+__all__ = ["DataParallelStep", "ScaleOutError", "TTTObjective", "head_payload", "merge_stats", "shards"]

@@ -23,10 +23,23 @@ STATE_FILES = ("head.safetensors", "optimizer.safetensors", "trainer.json")
 POOL_FILE = "pool.arrow"  # the near-line trainer's replay buffer and held-out records (encoded trace records)
 
 
+def head_weights(head: Eagle3DraftHead) -> dict[str, torch.Tensor]:
+    """The head's tensors on the CPU without the frozen embedding (the target supplies it again)."""
+    return {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
+
+
+def head_from_weights(head_config: dict, weights: dict[str, torch.Tensor], target: Target) -> Eagle3DraftHead:
+    """Rebuild a head from its config dict (`cfg.to_dict()`) and `head_weights`, with `target`'s embedding."""
+    hc = dict(head_config)
+    hc["aux_layer_ids"] = tuple(hc["aux_layer_ids"])
+    head = Eagle3DraftHead(DraftHeadConfig(**hc))
+    head.load_state_dict({**weights, "embed_tokens.weight": target.input_embeddings().detach().float().cpu()})
+    return head
+
+
 def write_state(d: Path, head: Eagle3DraftHead, opt: torch.optim.Optimizer, meta: dict) -> None:
     """Write the three state files into directory `d` (which the caller stages and renames)."""
-    sd = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if k != "embed_tokens.weight"}
-    save_file(sd, d / "head.safetensors")
+    save_file(head_weights(head), d / "head.safetensors")
     opt_sd = opt.state_dict()
     tensors = {f"{idx}.{name}": val.detach().cpu().contiguous()
                for idx, st in opt_sd["state"].items() for name, val in st.items() if torch.is_tensor(val)}
@@ -38,12 +51,7 @@ def write_state(d: Path, head: Eagle3DraftHead, opt: torch.optim.Optimizer, meta
 def read_state(d: Path, target: Target) -> tuple[Eagle3DraftHead, dict, dict]:
     """(head in float32 with the target's embedding, trainer.json, optimizer tensors) from directory `d`."""
     meta = json.loads((d / "trainer.json").read_text())
-    hc = dict(meta["head_config"])
-    hc["aux_layer_ids"] = tuple(hc["aux_layer_ids"])
-    head = Eagle3DraftHead(DraftHeadConfig(**hc))
-    sd = load_file(d / "head.safetensors")
-    sd["embed_tokens.weight"] = target.input_embeddings().detach().float()
-    head.load_state_dict(sd)
+    head = head_from_weights(meta["head_config"], load_file(d / "head.safetensors"), target)
     return head, meta, load_file(d / "optimizer.safetensors")
 
 
@@ -76,4 +84,5 @@ def read_pool(path: Path) -> tuple[list[tuple[str, bytes]], list[tuple[str, byte
     return pick("replay"), pick("heldout")
 
 
-__all__ = ["POOL_FILE", "STATE_FILES", "read_pool", "read_state", "restore_optimizer", "write_pool", "write_state"]
+__all__ = ["POOL_FILE", "STATE_FILES", "head_from_weights", "head_weights", "read_pool", "read_state",
+           "restore_optimizer", "write_pool", "write_state"]
