@@ -237,6 +237,12 @@ class Clients:
     def __enter__(self) -> Self:
         for t in self.threads:
             t.start()
+        # traffic is flowing once every client has finished a request: from then on each client is always inside
+        # one (between two it only appends an outcome), so every fleet change, however short, has one in flight
+        deadline = time.monotonic() + DEADLINE_S
+        while len(self.outcomes) < CLIENTS:
+            assert time.monotonic() < deadline, f"no traffic within {DEADLINE_S} s: {self.outcomes}"
+            time.sleep(0.05)
         return self
 
     def __exit__(self, *exc) -> None:
