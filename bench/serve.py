@@ -12,11 +12,20 @@ gateway (a repeated prompt would be answered from the suffix index of earlier ou
 request, queueing included, per output token) and at the server (decode time per token, the
 response's `adaptive_eagle.tpot_s`). Greedy requests, `--max-tokens` each.
 
+Same work in both arms: by default the replicas' drafting decisions are pinned (`cost_aware: false`, no
+persisted calibration), so the two gateways, fed the same prompts in the same order, draft the same trees,
+accept the same tokens and differ only by capture. The engine's default cost-aware tree sizing follows the
+measured step times of its own replica, so two replicas drift apart on timing noise (accept length 1.60 on
+one, 1.52 on the other over the same 16 prompts), and TPOT then measures that drift rather than capture;
+`--cost-aware` runs that default anyway. Besides the P50 ratio the report gives the paired figure: the
+median over prompts of capture TPOT / off TPOT for the same prompt.
+
 Targets: `smollm2` (default: the real SmolLM2-135M-Instruct from `load_target()`, the shipped head)
 or `tiny` (a random tiny Llama with a word-level tokenizer and a random head: a smoke run).
 `--quick`: fewer requests and shorter outputs.
 Final line: one JSON object with `capture_tpot_overhead_pct` (client P50 TPOT at concurrency 1,
-capture on vs off), `failed_requests`, and every row's figures.
+capture on vs off), `capture_tpot_overhead_paired_pct` (the paired figure at concurrency 1),
+`failed_requests`, and every row's figures.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+PINNED = {"cost_aware": False, "calibration_dir": ""}  # drafting decisions independent of step timing
 TINY = ["w5 w9 w12 w7 w30", "w40 w41 w8", "w11 w22 w33 w44 w55 w6", "w17 w4 w60", "w20 w21 w22 w23",
         "w50 w9 w31 w14"]
 
@@ -78,7 +88,7 @@ def smollm2_setup(tmp: Path):
     version = registry.add(SHIPPED_HEAD)
     # distinct real prompts: a repeated prompt would be answered from the suffix index of earlier outputs
     prompts = first_user_messages(load_sharegpt(), 400, domains=["english"], split="heldout", max_chars=600)
-    return target, registry, version, prompts, {}
+    return target, registry, version, prompts, dict(PINNED)
 
 
 def start_gateway(target, registry, version, engine: dict, capture: bool, store_root: Path | None, replicas: int):
@@ -109,7 +119,8 @@ def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_t
     def client(k: int) -> None:
         c = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
         for i in range(per_client):
-            prompt = prompts[(offset + k * per_client + i) % len(prompts)]
+            p = (offset + k * per_client + i) % len(prompts)
+            prompt = prompts[p]
             t0 = time.perf_counter()
             try:
                 r = c.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompt}],
@@ -120,7 +131,7 @@ def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_t
                 continue
             wall, n = time.perf_counter() - t0, r.usage.completion_tokens
             with lock:
-                rows.append((wall, n, r.adaptive_eagle))
+                rows.append((wall, n, r.adaptive_eagle, p))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -133,17 +144,26 @@ def summarise(runs: list[dict]) -> dict:
     rows = [r for run in runs for r in run["rows"]]
     failures = [f for run in runs for f in run["failures"]]
     wall = sum(run["wall_s"] for run in runs)
-    tokens = sum(n for _, n, _ in rows)
-    client_tpot = [w / n for w, n, _ in rows if n]
-    server_tpot = [ae["tpot_s"] for _, n, ae in rows if n]
+    tokens = sum(n for _, n, _, _ in rows)
+    client_tpot = [w / n for w, n, _, _ in rows if n]
+    server_tpot = [ae["tpot_s"] for _, n, ae, _ in rows if n]
     return {"requests": len(rows), "failed": len(failures), "tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "client_tpot_p50_ms": round(1e3 * pct(client_tpot, 0.5), 2),
             "client_tpot_p95_ms": round(1e3 * pct(client_tpot, 0.95), 2),
             "server_tpot_p50_ms": round(1e3 * pct(server_tpot, 0.5), 2),
             "server_tpot_p95_ms": round(1e3 * pct(server_tpot, 0.95), 2),
-            "accept_length": round(statistics.fmean(ae["accept_length"] for _, _, ae in rows), 3) if rows else None,
-            "captured": sorted({ae["captured"] for _, _, ae in rows}), "errors": failures[:3]}
+            "accept_length": round(statistics.fmean(ae["accept_length"] for _, _, ae, _ in rows), 3) if rows else None,
+            "captured": sorted({ae["captured"] for _, _, ae, _ in rows}), "errors": failures[:3],
+            "tpot_by_prompt": {p: w / n for w, n, _, p in rows if n}}
+
+
+def paired_overhead_pct(off: dict, on: dict) -> float | None:
+    """Median over prompts served in both modes of (capture TPOT / off TPOT) - 1, in percent."""
+    common = sorted(set(off["tpot_by_prompt"]) & set(on["tpot_by_prompt"]))
+    if not common:
+        return None
+    return round(100 * (statistics.median(on["tpot_by_prompt"][p] / off["tpot_by_prompt"][p] for p in common) - 1), 2)
 
 
 def main() -> None:
@@ -154,12 +174,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default 8 quick, 32 full)")
     ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32 / 128)")
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--cost-aware", action="store_true",
+                    help="the engine's default timing-driven tree sizing (the arms then draft differently)")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     per_level = args.requests or (8 if args.quick else 32)
     max_tokens = args.max_tokens or (32 if args.quick else 128)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     target, registry, version, prompts, engine = (tiny_setup if args.target == "tiny" else smollm2_setup)(tmp)
+    if args.cost_aware:
+        engine = {k: v for k, v in engine.items() if k not in PINNED}
     gateways = {mode: start_gateway(target, registry, version, engine, mode == "capture", tmp / "store", args.replicas)
                 for mode in ("off", "capture")}
     results = []
@@ -179,6 +203,7 @@ def main() -> None:
             for mode in ("off", "capture"):
                 row = summarise(runs[mode])
                 results.append({"capture": mode, "clients": clients, **row})
+                row.pop("tpot_by_prompt")
                 print(f"  {mode:8s} c={clients:<3d} {row['requests']:3d} req  {row['tokens_per_s']:8.1f} tok/s  "
                       f"client TPOT P50 {row['client_tpot_p50_ms']:7.2f} P95 {row['client_tpot_p95_ms']:7.2f} ms  "
                       f"server P50 {row['server_tpot_p50_ms']:7.2f} ms  failed {row['failed']}", flush=True)
@@ -194,25 +219,31 @@ def main() -> None:
 
 def report(results: list[dict], levels: list[int], args, stored: dict) -> None:
     by = {(r["capture"], r["clients"]): r for r in results}
-    overhead = {}
-    print(f"\nserving benchmark ({args.target}, {'quick' if args.quick else 'full'}): capture off vs 100% "
+    overhead, paired = {}, {}
+    drafting = "cost-aware (timing-driven) trees" if args.cost_aware else "pinned drafting decisions"
+    print(f"\nserving benchmark ({args.target}, {'quick' if args.quick else 'full'}, {drafting}): capture off vs 100% "
           "(local store)")
     print(f"{'clients':>7} | {'tok/s off':>9} {'tok/s cap':>9} | {'P50 off':>8} {'P50 cap':>8} {'P95 off':>8} "
-          f"{'P95 cap':>8} (client TPOT, ms) | {'overhead':>8}")
+          f"{'P95 cap':>8} (client TPOT, ms) | {'accept off':>10} {'accept cap':>10} | {'overhead':>8} {'paired':>7}")
     for c in levels:
         off, on = by[("off", c)], by[("capture", c)]
         overhead[c] = round(100 * (on["client_tpot_p50_ms"] / off["client_tpot_p50_ms"] - 1), 2)
+        paired[c] = paired_overhead_pct(off, on)
         print(f"{c:>7} | {off['tokens_per_s']:>9.1f} {on['tokens_per_s']:>9.1f} | {off['client_tpot_p50_ms']:>8.2f} "
               f"{on['client_tpot_p50_ms']:>8.2f} {off['client_tpot_p95_ms']:>8.2f} {on['client_tpot_p95_ms']:>8.2f}"
-              f"                   | {overhead[c]:>7.2f}%")
+              f"                   | {off['accept_length']!s:>10} {on['accept_length']!s:>10} | {overhead[c]:>7.2f}% "
+              f"{paired[c]!s:>6}%")
     failed = sum(r["failed"] for r in results)
     print(f"store: {stored.get('written', 0)} records written, {stored.get('dropped', 0)} dropped; "
           f"failed requests: {failed}")
-    print(json.dumps({"capture_tpot_overhead_pct": overhead.get(1, overhead[levels[0]]), "failed_requests": failed,
-                      "target": args.target, "quick": args.quick,
+    first = 1 if 1 in overhead else levels[0]
+    print(json.dumps({"capture_tpot_overhead_pct": overhead[first], "capture_tpot_overhead_paired_pct": paired[first],
+                      "failed_requests": failed, "target": args.target, "quick": args.quick,
+                      "cost_aware": args.cost_aware,
                       "overhead_pct_by_clients": {str(c): v for c, v in overhead.items()},
+                      "paired_overhead_pct_by_clients": {str(c): v for c, v in paired.items()},
                       "store_written": stored.get("written", 0), "store_dropped": stored.get("dropped", 0),
-                      "rows": [{k: v for k, v in r.items() if k != "errors"} for r in results]}))
+                      "rows": [{k: v for k, v in r.items() if k not in ("errors", "tpot_by_prompt")} for r in results]}))
 
 
 if __name__ == "__main__":
