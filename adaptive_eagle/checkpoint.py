@@ -487,7 +487,8 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
     if verify_checksum and (digest := file_sha256(d / WEIGHTS_FILE)) != meta.sha256:
         raise HeadValidationError(d / WEIGHTS_FILE, f"sha256 mismatch: file {digest[:16]}…, head.json "
                                                     f"{meta.sha256[:16]}…")
-    head = Eagle3DraftHead(cfg)  # the reference layout, then the loaded head
+    with torch.device("meta"):  # the reference layout without storage: every tensor comes from the file or the target
+        head = Eagle3DraftHead(cfg)  # (a randomly initialised head would cost a hot swap ~0.25 s of CPU for nothing)
     tensors = _check_tensors(head, _read_safetensors(d / WEIGHTS_FILE), d / WEIGHTS_FILE)
     head = _fill_head(head, tensors, dtype or _float_dtype(upgraded, tensors), target).to(device)
     return LoadedHead(head=head, meta=meta, config=cfg)

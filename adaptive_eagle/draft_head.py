@@ -263,7 +263,8 @@ class Eagle3DraftHead(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
+        if self.d2t.device.type != "meta":  # a layout without storage (checkpoint.load_head) gets its map loaded
+            self.set_draft_vocab(torch.arange(cfg.draft_vocab_size))
 
     # ---- vocabulary -------------------------------------------------------------------------
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
