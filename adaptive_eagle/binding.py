@@ -29,7 +29,7 @@ import torch
 
 from adaptive_eagle.atomic import atomic_write_text
 from adaptive_eagle.costmodel import AcceptCalibration, DraftGate
-from adaptive_eagle.draft_head import Eagle3DraftHead
+from adaptive_eagle.draft_head import Eagle3DraftHead, all_finite
 from adaptive_eagle.targets import Target
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def check_head(head: Eagle3DraftHead, target: Target) -> None:
     for name, p in head.named_parameters():
         if name.startswith("embed_tokens"):
             continue  # the target's, replaced when prepared
-        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+        if p.is_floating_point() and not all_finite(p):
             raise HeadRefused(f"head weight {name} has non-finite values")
 
 

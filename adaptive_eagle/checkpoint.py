@@ -39,7 +39,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from adaptive_eagle.atomic import atomic_write_text, staging_dir
-from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, check_aux_layer_ids
+from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, all_finite, check_aux_layer_ids
 from adaptive_eagle.targets import (
     DTYPES,
     Target,
@@ -357,7 +357,7 @@ def _check_tensors(head: Eagle3DraftHead, raw: dict[str, torch.Tensor], where: P
         if ref.is_floating_point():
             if not t.is_floating_point():
                 raise HeadValidationError(where, f"tensor {key!r} has dtype {t.dtype}, expected a floating dtype")
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise HeadValidationError(where, f"tensor {key!r} has non-finite values (NaN or inf)")
         elif t.dtype != ref.dtype and not (key == "d2t" and t.dtype == torch.int32):
             raise HeadValidationError(where, f"tensor {key!r} has dtype {t.dtype}, expected {ref.dtype}")
@@ -397,12 +397,16 @@ def _check_target(cfg: DraftHeadConfig, meta: HeadMeta | None, target: Target, w
 
 
 def _fill_head(head: Eagle3DraftHead, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-               target: Target | None) -> Eagle3DraftHead:
-    """Make `head` hold exactly `tensors` (cast to dtype) and the target's frozen embeddings (zeros without one)."""
+               target: Target | None, share_embeddings: bool = False) -> Eagle3DraftHead:
+    """Make `head` hold exactly `tensors` (cast to dtype) and the target's frozen embeddings (zeros without one;
+    a copy unless `share_embeddings`, which reads the target's own tensor where dtype and device allow)."""
     state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     state["d2t"] = state["d2t"].long()
-    state[EMBED_KEY] = (target.input_embeddings().detach().to("cpu", dtype).clone() if target is not None
-                        else torch.zeros(head.cfg.vocab_size, head.cfg.hidden_size, dtype=dtype))
+    if target is None:
+        state[EMBED_KEY] = torch.zeros(head.cfg.vocab_size, head.cfg.hidden_size, dtype=dtype)
+    else:
+        embed = target.input_embeddings().detach().to("cpu", dtype)
+        state[EMBED_KEY] = embed if share_embeddings else embed.clone()
     head.load_state_dict(state, strict=True, assign=True)
     head.embed_tokens.weight.requires_grad_(False)
     return head
@@ -469,10 +473,12 @@ class LoadedHead:
 
 def load_head(directory: str | os.PathLike, target: Target | None = None, *, device: str | torch.device = "cpu",
               dtype: torch.dtype | None = None, verify_checksum: bool = True,
-              allow_fingerprint_mismatch: bool = False) -> LoadedHead:
+              allow_fingerprint_mismatch: bool = False, share_embeddings: bool = False) -> LoadedHead:
     """Validate and load a head version; with `target`, also check compatibility and attach its embeddings.
 
-    dtype None keeps the saved dtype (bit-exact). Without a target, embed_tokens is zeros. A head.json
+    dtype None keeps the saved dtype (bit-exact). Without a target, embed_tokens is zeros; with one, a copy
+    of its input embeddings, or (`share_embeddings`: a head loaded only to draft for that target, as a
+    server's swap does) the target's own tensor where dtype and device allow, never to be written. A head.json
     whose target_fingerprint is "" (imported without a target) is not pinned: only the vocab, width
     and aux checks apply. Raises HeadValidationError on any refusal.
     """
@@ -490,7 +496,7 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
     with torch.device("meta"):  # the reference layout without storage: every tensor comes from the file or the target
         head = Eagle3DraftHead(cfg)  # (a randomly initialised head would cost a hot swap ~0.25 s of CPU for nothing)
     tensors = _check_tensors(head, _read_safetensors(d / WEIGHTS_FILE), d / WEIGHTS_FILE)
-    head = _fill_head(head, tensors, dtype or _float_dtype(upgraded, tensors), target).to(device)
+    head = _fill_head(head, tensors, dtype or _float_dtype(upgraded, tensors), target, share_embeddings).to(device)
     return LoadedHead(head=head, meta=meta, config=cfg)
 
 

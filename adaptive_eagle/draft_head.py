@@ -249,6 +249,15 @@ class StepOutput:
     aux_loss: torch.Tensor  # router load-balancing loss (0 for dense)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True if `t` holds no NaN or inf. One float32 sum decides for almost every tensor (NaN and inf
+    propagate into it) without a mask the size of the tensor; only a non-finite sum (a non-finite
+    value, or finite values large enough to overflow it) runs the exact element check."""
+    if math.isfinite(float(t.detach().sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 class Eagle3DraftHead(nn.Module):
     """SGLang ``LlamaForCausalLMEagle3``-compatible EAGLE-3 head (see the module docstring)."""
 

@@ -8,19 +8,22 @@ during installs, and checks that the swapped request's output is unchanged (it f
 started with).
 
 Part 2, a fleet under load: `--replicas` DecodeServers (in this process, each on its own decode thread)
-behind the gateway, `--clients` threads streaming chat completions back to back over HTTP (SSE); first with
-no swap (baseline), then while `GatewayFleet.swap` (the policy's promotion path) alternates every replica
-between the two heads every `--swap-every` seconds (subject). The *stall* of a request is the largest gap
-between its consecutive streamed chunks (one chunk per verify step: the tokens it committed) minus the
-median gap of that request. Reported as P50/P99 over the requests in flight during a swap (their
-first-to-last chunk window overlaps a swap call's window), next to the same figures over the baseline
-phase's requests. A failed request is a non-200 answer, an error event in the stream, or a stream without
-its final chunk. Greedy requests: every prompt's text must be the same in both phases (lossless under swaps).
+behind the gateway, `--clients` threads streaming chat completions back to back over HTTP (SSE). The
+replicas' drafting is pinned (no timing-driven tree sizing, no cross-request suffix index), so a request's
+streamed chunks (one per verify step that emitted text) line up one for one with the same prompt served on
+the same head without a swap. Reference (baseline): every prompt once on each head, same load, no swap.
+Subject: the same load while `GatewayFleet.swap` (the policy's promotion path) alternates every replica
+between the two heads every `--swap-every` seconds. The *stall* a swap causes a request in flight is the
+largest excess, over its gaps between consecutive chunks that overlap a swap call, of the gap over the same
+gap in the reference. Control: the same figure over placebo windows of the same lengths half-way between two
+swaps (same phase, same load, nothing swapping): it is the measurement's noise floor. A failed request is a
+non-200 answer, an error event in the stream, or a stream without its final chunk. Every prompt's text must
+be the same throughout (lossless under swaps).
 
 Targets: `smollm2` (the real SmolLM2-135M-Instruct, the shipped heads v1 and v2) or `tiny` (a random tiny
 Llama with a word tokenizer and two random heads: a smoke run). `--quick`: a short run.
 Ends with one JSON line: the engine figures, `swap_stall_p50_ms` and `swap_stall_p99_ms` (fleet, requests in
-flight during swaps), `baseline_stall_p50_ms`, `baseline_stall_p99_ms`, `fleet_swap_ms_p50`, `fleet_swaps`,
+flight during swaps), `placebo_stall_p50_ms`, `placebo_stall_p99_ms`, `fleet_swap_ms_p50`, `fleet_swaps`,
 `failed_requests`, `outputs_unchanged`.
 """
 
@@ -181,19 +184,26 @@ def engine_swap(setup: Setup, max_new: int, installs: int) -> dict:
 
 
 # ---- part 2: a fleet under load --------------------------------------------------------------------
+# the fleet's replicas draft the same trees for the same (prompt, head) every time, so a request's steps line up
+# one for one with the same request served without a swap: no timing-driven tree sizing, no cross-request suffix
+# index (both change a request's steps from one run to the next); the swap path itself is the production one
+FLEET_ENGINE = {"cost_aware": False, "suffix_drafting": False, "calibration_dir": ""}
+
+
 @dataclass(frozen=True)
 class Streamed:
     prompt: int
     ok: bool
     text: str
-    chunk_times: tuple[float, ...]  # perf_counter of every content chunk
+    chunk_times: tuple[float, ...]  # perf_counter of every content chunk (one per verify step that emitted text)
+    deltas: tuple[str, ...] = ()  # the content of those chunks
+    head_version: str | None = None  # the head the request decoded with (its final chunk says)
     error: str = ""
 
     @property
-    def stall_s(self) -> float | None:
-        """Largest gap between consecutive chunks minus the median gap (None below 3 chunks)."""
-        gaps = [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
-        return max(gaps) - statistics.median(gaps) if len(gaps) >= 2 else None
+    def gaps(self) -> list[tuple[float, float]]:
+        """(start, end) of every interval between consecutive chunks."""
+        return list(zip(self.chunk_times, self.chunk_times[1:]))
 
 
 def stream_chat(client, url: str, i: int, prompt: str, max_tokens: int) -> Streamed:
@@ -201,37 +211,41 @@ def stream_chat(client, url: str, i: int, prompt: str, max_tokens: int) -> Strea
 
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens, "stream": True}
-    text, times, final = [], [], False
+    text, times, version, final = [], [], None, False
     try:
         with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
-                return Streamed(i, False, "", (), f"HTTP {r.status_code}: {r.read()[:200]!r}")
+                return Streamed(i, False, "", (), error=f"HTTP {r.status_code}: {r.read()[:200]!r}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return Streamed(i, False, "".join(text), tuple(times), str(chunk["error"])[:200])
+                    return Streamed(i, False, "".join(text), tuple(times), error=str(chunk["error"])[:200])
                 content = chunk["choices"][0]["delta"].get("content")
                 if content:
                     times.append(time.perf_counter())
                     text.append(content)
-                final = final or "adaptive_eagle" in chunk
+                if "adaptive_eagle" in chunk:
+                    final, version = True, chunk["adaptive_eagle"].get("head_version")
     except httpx.HTTPError as e:
-        return Streamed(i, False, "".join(text), tuple(times), f"{type(e).__name__}: {e}")
-    return Streamed(i, final, "".join(text), tuple(times), "" if final else "no final chunk")
+        return Streamed(i, False, "".join(text), tuple(times), error=f"{type(e).__name__}: {e}")
+    return Streamed(i, final, "".join(text), tuple(times), tuple(text), version, "" if final else "no final chunk")
 
 
-def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop: threading.Event) -> list[Streamed]:
-    """`clients` threads streaming back to back until `stop` is set."""
+def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop: threading.Event | None = None,
+               count: int | None = None) -> list[Streamed]:
+    """`clients` threads streaming back to back, prompts in turn, until `stop` is set or `count` requests ran."""
     import httpx
 
     out, lock, counter = [], threading.Lock(), [0]
 
     def run() -> None:
         with httpx.Client(timeout=600) as client:
-            while not stop.is_set():
+            while not (stop is not None and stop.is_set()):
                 with lock:
+                    if count is not None and counter[0] >= count:
+                        return
                     i, counter[0] = counter[0] % len(prompts), counter[0] + 1
                 res = stream_chat(client, url, i, prompts[i], max_tokens)
                 with lock:
@@ -240,14 +254,24 @@ def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop
     threads = [threading.Thread(target=run, daemon=True) for _ in range(clients)]
     for t in threads:
         t.start()
-    stop.wait()
     for t in threads:
-        t.join(600)
+        t.join()
     return out
 
 
-def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps: int, swap_every_s: float,
-               baseline_s: float) -> dict:
+def paired_stall(r: Streamed, reference: dict, windows: list[tuple[float, float]]) -> float | None:
+    """How much longer than without a swap the request waited for a chunk while a window was open: the largest
+    (gap - the same gap of the same prompt on the same head with no swap) over its gaps that overlap a window.
+    None when the request overlaps no window or has no reference with the same chunks."""
+    ref = reference.get((r.prompt, r.head_version))
+    if ref is None or ref.deltas != r.deltas:
+        return None
+    excess = [(b - a) - (rb - ra) for (a, b), (ra, rb) in zip(r.gaps, ref.gaps)
+              if any(a < t1 and b > t0 for t0, t1 in windows)]
+    return max(excess) if excess else None
+
+
+def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps: int, swap_every_s: float) -> dict:
     from serving.config import EngineParams, ServingConfig
     from serving.gateway import GatewayThread, create_app
     from serving.replicas import build_replicas
@@ -255,7 +279,7 @@ def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps
     config = ServingConfig(model_name="bench", port=0, replicas=replicas, queue_size=256, max_prompt_tokens=1024,
                            max_tokens_limit=1024, default_max_tokens=max_tokens,
                            registry_path=str(setup.registry.root), initial_head=setup.versions[0],
-                           engine=EngineParams(**setup.engine))
+                           engine=EngineParams(**{**setup.engine, **FLEET_ENGINE}))
     servers = build_replicas(config, target_builder=lambda: setup.target)
     app = create_app(config, servers)
     gateway = GatewayThread(app)
@@ -263,9 +287,14 @@ def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps
     fleet = app.state.gateway.fleet
     windows: list[tuple[float, float]] = []
     refused: list[str] = []
+    n = len(setup.prompts)
     try:
-        load_phase(url, setup.prompts, replicas, max_tokens, _after(0.5))  # warm-up: a request per client at least
-        baseline = load_phase(url, setup.prompts, clients, max_tokens, _after(baseline_s))
+        load_phase(url, setup.prompts, replicas, max_tokens, count=replicas)  # warm-up
+        # the reference: every prompt on each head under the same load, no swap while requests run
+        baseline = []
+        for version in (setup.versions[1], setup.versions[0]):
+            assert all(r.ok for r in fleet.swap(version))
+            baseline += load_phase(url, setup.prompts, clients, max_tokens, count=n)
 
         def swapper(stop: threading.Event) -> None:
             for k in range(swaps):
@@ -285,11 +314,15 @@ def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps
         for s in servers:
             s.close()
 
-    def in_swap(r: Streamed) -> bool:
-        return bool(r.chunk_times) and any(r.chunk_times[0] < t1 and r.chunk_times[-1] > t0 for t0, t1 in windows)
-
-    hit = [r.stall_s for r in subject if r.ok and in_swap(r) and r.stall_s is not None]
-    quiet = [r.stall_s for r in baseline if r.ok and r.stall_s is not None]
+    reference = {(r.prompt, r.head_version): r for r in baseline if r.ok}
+    # placebo windows: as long as each swap, half-way between two swaps (the same load, nothing swapping)
+    placebo = [(t0 - swap_every_s / 2, t0 - swap_every_s / 2 + (t1 - t0)) for t0, t1 in windows]
+    placebo = [(a, b) for a, b in placebo if not any(a < t1 and b > t0 for t0, t1 in windows)]
+    ok = [r for r in subject if r.ok]
+    hit = [x for r in ok if (x := paired_stall(r, reference, windows)) is not None]
+    quiet = [x for r in ok if (x := paired_stall(r, reference, placebo)) is not None]
+    in_flight = [r for r in ok if any(r.chunk_times and r.chunk_times[0] < t1 and r.chunk_times[-1] > t0
+                                      for t0, t1 in windows)]
     texts: dict[int, set[str]] = {}
     for r in baseline + subject:
         if r.ok:
@@ -297,11 +330,12 @@ def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps
     failed = [r for r in baseline + subject if not r.ok]
     return {"replicas": replicas, "clients": clients, "fleet_swaps": len(windows), "swaps_refused": len(refused),
             "fleet_swap_ms_p50": ms(pct([t1 - t0 for t0, t1 in windows], 0.5)),
-            "requests_baseline": len(baseline), "requests_during_swaps": len(hit),
-            "requests_subject_phase": len(subject),
-            "baseline_stall_p50_ms": ms(pct(quiet, 0.5)), "baseline_stall_p99_ms": ms(pct(quiet, 0.99)),
+            "requests_reference": len(reference), "requests_subject_phase": len(subject),
+            "requests_during_swaps": len(in_flight), "requests_paired": len(hit),
             "swap_stall_p50_ms": ms(pct(hit, 0.5)), "swap_stall_p99_ms": ms(pct(hit, 0.99)),
             "swap_stall_max_ms": ms(max(hit) if hit else None),
+            "placebo_stall_p50_ms": ms(pct(quiet, 0.5)), "placebo_stall_p99_ms": ms(pct(quiet, 0.99)),
+            "requests_placebo": len(quiet),
             "failed_requests": len(failed), "errors": [r.error for r in failed[:3]] + refused[:3],
             "outputs_unchanged": all(len(v) == 1 for v in texts.values())}
 
@@ -326,14 +360,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=None, help="part 2: streaming clients (default replicas + 1)")
     ap.add_argument("--swaps", type=int, default=None, help="part 2: fleet swaps (default 20, quick 6)")
     ap.add_argument("--swap-every", type=float, default=None, help="part 2: seconds between swaps (2, quick 1)")
-    ap.add_argument("--baseline-s", type=float, default=None, help="part 2: seconds of load with no swap (20, quick 6)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     max_new = args.max_new or (48 if args.quick else 128)
     installs = args.installs or (3 if args.quick else 6)
     swaps = args.swaps or (6 if args.quick else 20)
     swap_every = args.swap_every or (1.0 if args.quick else 2.0)
-    baseline_s = args.baseline_s or (6.0 if args.quick else 20.0)
     clients = args.clients or args.replicas + 1
     tmp = Path(tempfile.mkdtemp(prefix="bench-swap-"))
     try:
@@ -347,16 +379,17 @@ def main() -> None:
               f"max during {figures['steps_overlapping_installs']} steps that overlapped an install")
         print(f"swapped request finished on {figures['request_head_version']}, output unchanged: "
               f"{figures['output_unchanged']}")
-        fleet = fleet_swap(setup, args.replicas, clients, max_new, swaps, swap_every, baseline_s)
+        fleet = fleet_swap(setup, args.replicas, clients, max_new, swaps, swap_every)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nfleet: {fleet['replicas']} replicas, {fleet['clients']} streaming clients, {fleet['fleet_swaps']} swaps "
           f"(median {fleet['fleet_swap_ms_p50']} ms each, {fleet['swaps_refused']} refused)")
-    print(f"{'stall (max gap - median gap), ms':<34} | {'P50':>7} {'P99':>7} | requests")
-    print(f"{'baseline (no swap)':<34} | {fleet['baseline_stall_p50_ms']!s:>7} {fleet['baseline_stall_p99_ms']!s:>7} "
-          f"| {fleet['requests_baseline']}")
-    print(f"{'in flight during a fleet swap':<34} | {fleet['swap_stall_p50_ms']!s:>7} {fleet['swap_stall_p99_ms']!s:>7} "
-          f"| {fleet['requests_during_swaps']} of {fleet['requests_subject_phase']}")
+    print(f"{'stall (gap - same gap unswapped), ms':<38} | {'P50':>7} {'P99':>7} | requests")
+    print(f"{'placebo windows (nothing swapping)':<38} | {fleet['placebo_stall_p50_ms']!s:>7} "
+          f"{fleet['placebo_stall_p99_ms']!s:>7} | {fleet['requests_placebo']}")
+    print(f"{'in flight during a fleet swap':<38} | {fleet['swap_stall_p50_ms']!s:>7} {fleet['swap_stall_p99_ms']!s:>7} "
+          f"| {fleet['requests_paired']} of {fleet['requests_during_swaps']} in flight "
+          f"({fleet['requests_subject_phase']} in the phase)")
     print(f"failed requests: {fleet['failed_requests']} {fleet['errors'] or ''}; outputs unchanged across swaps: "
           f"{fleet['outputs_unchanged']}")
     print(json.dumps({**figures, **fleet, "target": args.target, "quick": args.quick}))

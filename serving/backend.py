@@ -206,7 +206,10 @@ class ReferenceBackend:
             return None
         if self.registry is None:
             raise RuntimeError("this server has no head registry")
-        return self.registry.load(version, self.engine.target, device=self.engine.target.device)
+        # loaded as the engine will run it: in the target's dtype, sharing the target's own embeddings (no
+        # copy, no conversion of the largest tensor on a swap that competes with decoding for the cores)
+        t = self.engine.target
+        return self.registry.load(version, t, device=t.device, dtype=t.dtype, share_embeddings=True)
 
     def swap_head(self, version: str) -> SwapResult:
         """Serve `version` ("none": plain decoding) from the next request on; in-flight requests finish

@@ -7,14 +7,18 @@ emitted), capture (decide after the request, `StoreWriter.put` never blocks or r
 speculative metrics of each response, counters and status, the hot-swap entry point
 `swap_head(version) -> SwapResult` and the one-replica canary `set_canary(version, fraction)`. Must not touch: HTTP, routing, Ray (actor.py is the shell).
 
-A swap runs on the caller's thread while a request decodes: the engine binds a request's head when
-it starts, so the request in flight finishes on its head and the next one uses the new head.
+A swap runs while a request decodes: the engine binds a request's head when it starts, so the
+request in flight finishes on its head and the next one uses the new head. The swap's own work
+(read and check the version, prepare it for the target) runs on the replica's swap thread at a
+lower CPU priority (nice +PREPARE_NICE, Linux), so on a busy machine it takes the cores the decode
+thread leaves idle instead of stretching the in-flight request's steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Iterator, Optional
@@ -28,6 +32,17 @@ from serving.messages import (PLAIN, DecodeRequest, Delta, Event, Finished, Refu
 
 log = logging.getLogger(__name__)
 _DONE = object()
+PREPARE_NICE = 10  # how much lower than decoding a swap's preparation runs (Linux niceness; 19 is the lowest)
+
+
+def lower_priority(nice: int = PREPARE_NICE) -> None:
+    """Raise the calling thread's niceness by `nice` (threads it starts inherit it). Best effort: a no-op where
+    the OS has no per-thread priorities."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+    except (AttributeError, OSError) as e:  # not Linux, or not permitted
+        log.debug("swap thread keeps its priority: %s", e)
 
 
 class TextStream:
@@ -84,6 +99,7 @@ class DecodeServer:
         self.sampler = CaptureSampler(capture or CapturePolicy(enabled=False))
         self._decode_lock = threading.Lock()  # one request at a time per replica
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{name}")
+        self._swapper = ThreadPoolExecutor(1, thread_name_prefix=f"swap-{name}", initializer=lower_priority)
         self._lock = threading.Lock()
         self._c = {"running": 0, "waiting": 0, "served": 0, "refused": 0, "failed": 0, "cancelled": 0,
                    "capture_dropped": 0}
@@ -213,14 +229,14 @@ class DecodeServer:
     def swap_head(self, version: str) -> SwapResult:
         """Serve `version` ("none" = plain decoding) from the next request on. Never waits for, fails
         or stalls the request in flight."""
-        res = self.backend.swap_head(version)
+        res = self._swapper.submit(self.backend.swap_head, version).result()
         log.info("replica %s: swap to %s: %s", self.name, version, res.message)
         return res
 
     def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
         """Decode `fraction` of requests (stable hash of the request id) with `version` next to the installed
         head, on this replica; None ends it. Refused by backends that hold one head (SGLang)."""
-        res = self.backend.set_canary(version, fraction)
+        res = self._swapper.submit(self.backend.set_canary, version, fraction).result()
         log.info("replica %s: canary %s (%.2f): %s", self.name, version, fraction, res.message)
         return res
 
@@ -248,6 +264,7 @@ class DecodeServer:
         """Stop the decode thread (after the request in flight), then the backend's resources; the writer
         belongs to the caller unless the server owns it."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._swapper.shutdown(wait=True, cancel_futures=True)
         if (close := getattr(self.backend, "close", None)) is not None:
             close()
         if self.owns_writer and self.writer is not None:

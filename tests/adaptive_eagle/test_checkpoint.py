@@ -115,6 +115,34 @@ def test_round_trip_bit_exact(tmp_path, target, dtype, experts):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]  # no staging leftovers
 
 
+def test_a_head_loaded_to_draft_shares_the_targets_embeddings_and_is_built_without_random_init(saved, target):
+    head, d = saved
+    copied = load_head(d, target)
+    shared = load_head(d, target, share_embeddings=True)
+    emb = target.input_embeddings()
+    assert copied.head.embed_tokens.weight.data_ptr() != emb.data_ptr()
+    assert shared.head.embed_tokens.weight.data_ptr() == emb.data_ptr()  # no copy for a head that only drafts
+    assert_same_weights(head, shared.head)
+    # the layout is built on the meta device: every tensor of the result comes from the file or the target
+    assert all(t.device.type == "cpu" for t in [*shared.head.parameters(), *shared.head.buffers()])
+    assert torch.equal(shared.head.d2t, head.d2t) and torch.equal(shared.head.t2d, head.t2d)
+    assert [n for n, p in shared.head.named_parameters() if p.requires_grad] == \
+        [n for n, p in head.named_parameters() if p.requires_grad]
+
+
+def test_all_finite_decides_exactly():
+    from adaptive_eagle.draft_head import all_finite
+
+    x = torch.randn(64, 32)
+    assert all_finite(x) and all_finite(x.bfloat16())
+    big = torch.full((64, 32), 3e38)  # finite, but its float32 sum overflows: the exact check decides
+    assert all_finite(big)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[7, 3] = bad
+        assert not all_finite(y) and not all_finite(y.bfloat16())
+
+
 def test_versions_are_immutable_and_finite(saved, target):
     head, d = saved
     with pytest.raises(FileExistsError, match="immutable"):

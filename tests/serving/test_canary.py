@@ -98,3 +98,38 @@ def test_context_limits_come_from_the_engine_and_name_the_field(stack):
         backend.prepare(long)
     assert err.value.param == "prompt" and str(context) in err.value.message
     assert len(backend.prepare(request("c"))) == 5
+
+
+def test_swap_and_canary_preparation_run_below_the_decode_threads_priority(stack):
+    """A swap's work (read, check, prepare the head) runs on the replica's swap thread, niced, so it takes
+    the cores decoding leaves idle; decoding keeps the process's priority."""
+    import os
+    import sys
+    import threading
+
+    from serving.server import PREPARE_NICE
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("per-thread priorities are a Linux feature")
+    server = stack.server("v1", "solo")
+    seen = {}
+    backend = server.backend
+
+    def niceness(what, fn):
+        def wrapped(*args):
+            seen[what] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return fn(*args)
+        return wrapped
+
+    backend.swap_head = niceness("swap", backend.swap_head)
+    backend.set_canary = niceness("canary", backend.set_canary)
+    backend.stream = niceness("decode", backend.stream)
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert server.set_canary("v2", 0.5).ok and server.swap_head("v2").ok
+        assert isinstance(server.generate(request("after")), Finished)
+        assert server.head_version == "v2"
+        niced = min(19, base + PREPARE_NICE)  # 19: the lowest priority there is
+        assert seen == {"swap": niced, "canary": niced, "decode": base}, (seen, base)
+    finally:
+        server.close()
