@@ -8,9 +8,11 @@ three clients stream chat completions the whole time. The heads are honest:
 - v2, v3: v1 distilled on the target's own greedy outputs with ``trainer.step.train_step`` (10 and 20
   steps); measured to accept more, offline (acceptance replay) and live.
 The offline gate reads ``trainer.replay`` samples of every head on the same records, captured by the engine
-serving the champion. One fault is injected: once v2's canary is running, the replicas install v2 with noise
-weights (a silently corrupted weight update, the SGLang failure DESIGN.md describes); its canary was honest,
-so it is promoted, collapses live and must be rolled back and blocked by the watch.
+serving the champion. One fault is injected: once v2's canary is running, the replicas install v2 with its
+draft logits negated (a silently corrupted weight update, the SGLang failure DESIGN.md describes: the head
+proposes the tokens it finds least likely); its canary was honest, so it is promoted, collapses live and
+must be rolled back and blocked by the watch. (Noise weights collapse less surely: on a 64-token vocabulary
+random drafts still hit now and then, and one run's live mean, 1.11, sat just above the collapse line.)
 
 The story, in the promotion log: bad rejected offline; v2 canary -> promoted -> rolled back (blocked); v3
 canary -> promoted -> watch passed. Throughout: no failed request, every response equal to plain greedy
@@ -84,7 +86,7 @@ def noise_weights(head, seed: int):
 # ---- the replicas (built inside each actor's process) -----------------------------------------------------
 class CorruptingBackend(ReferenceBackend):
     """The reference backend with one injected fault: installing a version that the fault file names installs
-    it with noise weights, and the swap still reports success (only live acceptance can tell)."""
+    it with its draft logits negated, and the swap still reports success (only live acceptance can tell)."""
 
     def __init__(self, engine: SpeculativeEngine, registry: HeadRegistry, fault_file: str) -> None:
         super().__init__(engine, registry, max_prompt_tokens=64)
@@ -96,7 +98,8 @@ class CorruptingBackend(ReferenceBackend):
             return super().swap_head(version)
         with self._swap_lock:
             loaded = self.registry.load(version, self.engine.target, device=self.engine.target.device)
-            noise_weights(loaded.head, seed=1)
+            with torch.no_grad():
+                loaded.head.lm_head.weight.neg_()  # a sign flip: the least likely tokens are drafted first
             return self.engine.set_head(loaded, version)
 
 
