@@ -399,14 +399,15 @@ def _check_target(cfg: DraftHeadConfig, meta: HeadMeta | None, target: Target, w
 def _fill_head(head: Eagle3DraftHead, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                target: Target | None, share_embeddings: bool = False) -> Eagle3DraftHead:
     """Make `head` hold exactly `tensors` (cast to dtype) and the target's frozen embeddings (zeros without one;
-    a copy unless `share_embeddings`, which reads the target's own tensor where dtype and device allow)."""
+    a copy unless `share_embeddings`, which reads the target's own tensor when its dtype is `dtype`)."""
     state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
     state["d2t"] = state["d2t"].long()
     if target is None:
         state[EMBED_KEY] = torch.zeros(head.cfg.vocab_size, head.cfg.hidden_size, dtype=dtype)
+    elif share_embeddings:  # on the target's device; `load_head` moves the head there
+        state[EMBED_KEY] = target.input_embeddings().detach().to(dtype=dtype)
     else:
-        embed = target.input_embeddings().detach().to("cpu", dtype)
-        state[EMBED_KEY] = embed if share_embeddings else embed.clone()
+        state[EMBED_KEY] = target.input_embeddings().detach().to("cpu", dtype).clone()
     head.load_state_dict(state, strict=True, assign=True)
     head.embed_tokens.weight.requires_grad_(False)
     return head
@@ -478,7 +479,7 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
 
     dtype None keeps the saved dtype (bit-exact). Without a target, embed_tokens is zeros; with one, a copy
     of its input embeddings, or (`share_embeddings`: a head loaded only to draft for that target, as a
-    server's swap does) the target's own tensor where dtype and device allow, never to be written. A head.json
+    server's swap does, with the target's dtype and device) the target's own tensor, never to be written. A head.json
     whose target_fingerprint is "" (imported without a target) is not pinned: only the vocab, width
     and aux checks apply. Raises HeadValidationError on any refusal.
     """
