@@ -49,7 +49,7 @@ from adaptive_eagle.registry import HeadRegistry  # noqa: E402
 from adaptive_eagle.targets import cache_dir, load_target  # noqa: E402
 from adaptive_eagle.trace import SamplingParams, TraceRecord  # noqa: E402
 from feature_store.config import StoreConfig  # noqa: E402
-from feature_store.writer import StoreWriter  # noqa: E402
+from feature_store.writer import StoreWriter, write_records  # noqa: E402
 from trainer import data as D  # noqa: E402
 from trainer.config import NearlineConfig  # noqa: E402
 from trainer.evaluate import stored_records  # noqa: E402
@@ -119,10 +119,7 @@ def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path,
     reg.add(head_dir)
     reg.set_champion(shipped.meta.version, expect="none")
     store = StoreConfig(backend="local", local_root=str(work / "store"), fsync=False)
-    writer = StoreWriter(store)
-    for r in records:
-        writer.put(r)
-    writer.close()
+    write_records(store, records)
     cfg = NearlineConfig(registry=str(work / "registry"), work_dir=str(work / "trainer"), store=store,
                          positions=positions, lr=lr, max_passes=max_passes, heldout_percent=1,
                          candidate_every_tokens=10**9, min_candidate_tokens=1, checkpoint_every_s=10**6)

@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Iterable
 
 from adaptive_eagle.trace import TraceRecord
 from feature_store.backend import Backend, StoreUnavailable, open_backend
@@ -211,3 +212,21 @@ class StoreWriter:
             self.backend.maintain()
         except Exception as e:  # noqa: BLE001
             log.warning("feature store: retention pass failed: %s", e)
+
+
+def write_records(config: StoreConfig, records: Iterable[TraceRecord], timeout: float = 60.0) -> WriterStats:
+    """Store `records` in bulk (seeding a store: tests, benchmarks) and wait until they are written. Unlike a
+    server's `put`, a record that is not stored is an error: raises RuntimeError saying how many were lost."""
+    writer, n = StoreWriter(config), 0
+    try:
+        for record in records:
+            writer.put(record)
+            n += 1
+        writer.flush(timeout)
+    finally:
+        writer.close()
+    stats = writer.stats()
+    if stats.written != n:
+        raise RuntimeError(f"{n - stats.written} of {n} records were not stored ({stats.dropped} dropped, "
+                           f"{stats.opted_out} opted out, {stats.encode_errors} not encodable)")
+    return stats

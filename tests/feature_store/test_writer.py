@@ -3,10 +3,12 @@
 import threading
 import time
 
+import pytest
+
 from feature_store.backend import StoreUnavailable
 from feature_store.local import LocalBackend
 from feature_store.reader import StoreReader
-from feature_store.writer import StoreWriter
+from feature_store.writer import StoreWriter, write_records
 from tests.feature_store.conftest import make_record, wait_until
 
 
@@ -106,3 +108,11 @@ def test_writer_with_local_backend_end_to_end(local_cfg):
         w.put(make_record(i))
     w.close()
     assert w.stats().written == 30
+
+
+def test_write_records_stores_every_record_or_says_how_many_were_lost(local_cfg):
+    cfg = local_cfg()
+    assert write_records(cfg, [make_record(i) for i in range(5)]).written == 5
+    assert sorted(d.record.request_id for d in StoreReader(cfg).read(10)) == [f"req-{i}" for i in range(5)]
+    with pytest.raises(RuntimeError, match=r"1 of 2 records were not stored \(0 dropped, 1 opted out"):
+        write_records(cfg, [make_record(5), make_record(6, capture_consent=False)])

@@ -28,7 +28,7 @@ from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
 from feature_store.config import StoreConfig
-from feature_store.writer import StoreWriter
+from feature_store.writer import write_records
 from trainer import data as D
 from trainer.config import NearlineConfig
 from trainer.nearline import NearlineTrainer, is_heldout
@@ -141,10 +141,7 @@ def test_near_line_candidate_beats_the_shipped_head_on_held_out_code_without_for
     registry.add(SHIPPED_HEAD)
     registry.set_champion(head.meta.version, expect="none")
     store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False)
-    writer = StoreWriter(store)
-    for rec in records:
-        writer.put(rec)
-    writer.close()
+    write_records(store, records)
 
     torch.manual_seed(0)
     cfg = NearlineConfig(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "trainer"), store=store,

@@ -10,7 +10,7 @@ from adaptive_eagle.checkpoint import HeadMeta
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle_cli import app
 from feature_store.config import StoreConfig
-from feature_store.writer import StoreWriter
+from feature_store.writer import write_records
 from tests.trainer.test_nearline import world  # noqa: F401  (module fixture)
 from trainer.evaluate import parse_window, replay_store
 from trainer.replay import TreeParams
@@ -29,10 +29,7 @@ def test_replay_store_scores_heads_on_the_same_window_and_domains(tmp_path, worl
     store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False)
     old = [r.__class__(**{**r.__dict__, "created_at": time.time() - 7200, "request_id": "old-" + r.request_id})
            for r in records[:4]]
-    w = StoreWriter(store)
-    for r in old + records:
-        w.put(r)
-    w.close()
+    write_records(store, old + records)
     reg = HeadRegistry.create(tmp_path / "registry")
     reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
     torch.manual_seed(3)

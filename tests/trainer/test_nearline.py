@@ -10,7 +10,7 @@ from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import SamplingParams
 from feature_store.config import StoreConfig
 from feature_store.reader import StoreReader
-from feature_store.writer import StoreWriter
+from feature_store.writer import write_records
 from tests.adaptive_eagle.test_engine import tiny_setup
 from trainer.config import NearlineConfig
 from trainer.nearline import NearlineTrainer, is_heldout
@@ -38,11 +38,7 @@ def setup_run(tmp_path, world, **over):
     reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
     reg.set_champion("v1", expect="none")
     store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False, claim_idle_ms=3_600_000)
-    writer = StoreWriter(store)
-    for r in records:
-        writer.put(r)
-    writer.flush()
-    writer.close()
+    write_records(store, records)
     kw = dict(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store, batch_tokens=256,
               min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0, heldout_percent=20,
               candidate_every_tokens=400, min_candidate_tokens=100, min_candidate_heldout=1, tree_depth=3, tree_topk=2,
@@ -155,10 +151,7 @@ def test_candidate_carries_replay_scores_next_to_the_champion_and_the_trainer_fo
 def test_records_of_another_target_are_refused_and_counted(tmp_path, world):
     cfg, target = setup_run(tmp_path, world)
     other = world[2][0].__class__(**{**world[2][0].__dict__, "target_fingerprint": "f" * 64, "request_id": "x"})
-    w = StoreWriter(cfg.store)
-    w.put(other)
-    w.flush()
-    w.close()
+    write_records(cfg.store, [other])
     tr = NearlineTrainer(cfg, target=target)
     tr.start()
     tr.poll()

@@ -16,7 +16,7 @@ from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import SamplingParams
 from feature_store.config import StoreConfig
-from feature_store.writer import StoreWriter
+from feature_store.writer import write_records
 from tests.adaptive_eagle.test_engine import tiny_setup
 from trainer.config import NearlineConfig
 from trainer.nearline import NearlineTrainer
@@ -110,10 +110,7 @@ def test_nearline_trainer_with_two_workers_trains_checkpoints_and_writes_a_candi
     reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
     reg.set_champion("v1", expect="none")
     store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False)
-    writer = StoreWriter(store)
-    for r in records:
-        writer.put(r)
-    writer.close()
+    write_records(store, records)
     cfg = NearlineConfig(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store,
                          batch_tokens=256, min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0,
                          heldout_percent=20, candidate_every_tokens=200, min_candidate_tokens=100,
