@@ -32,8 +32,12 @@ def head_from_weights(head_config: dict, weights: dict[str, torch.Tensor], targe
     """Rebuild a head from its config dict (`cfg.to_dict()`) and `head_weights`, with `target`'s embedding."""
     hc = dict(head_config)
     hc["aux_layer_ids"] = tuple(hc["aux_layer_ids"])
-    head = Eagle3DraftHead(DraftHeadConfig(**hc))
-    head.load_state_dict({**weights, "embed_tokens.weight": target.input_embeddings().detach().float().cpu()})
+    with torch.device("meta"):  # no random init to throw away: every tensor is assigned below
+        head = Eagle3DraftHead(DraftHeadConfig(**hc))
+    # owned float32 copies (weights may be read-only buffers, e.g. a data-parallel worker's received payload)
+    state = {k: v.to(torch.float32, copy=True) if v.is_floating_point() else v.clone() for k, v in weights.items()}
+    state["embed_tokens.weight"] = target.input_embeddings().detach().to("cpu", torch.float32, copy=True)
+    head.load_state_dict(state, assign=True)
     return head
 
 
