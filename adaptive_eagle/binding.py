@@ -85,15 +85,20 @@ def check_head(head: Eagle3DraftHead, target: Target) -> None:
             raise HeadRefused(f"head weight {name} has non-finite values")
 
 
-def prepare_head(head: Eagle3DraftHead, target: Target) -> Eagle3DraftHead:
-    """A copy of `head` ready to draft for `target`: on its device, in its compute dtype, reading the
-    target's own input embedding (shared, never copied), with the head's linears fp16-packed when
-    the target runs that way (cpu_linear.py). The caller's head is left untouched."""
+def prepare_head(head: Eagle3DraftHead, target: Target, adopt: bool = False) -> Eagle3DraftHead:
+    """`head` ready to draft for `target`: on its device, in its compute dtype, reading the target's own
+    input embedding (shared, never copied), with the head's linears fp16-packed when the target runs
+    that way (cpu_linear.py). A copy, leaving the caller's head untouched, unless `adopt`: the caller
+    hands the head over (one loaded for this engine alone, as a server's swap does) and it is prepared
+    in place, so a hot swap does not copy every weight once more while requests decode."""
     embed = target.input_embeddings()
     packed = target.compute.endswith("fp16-weights")
     dtype = torch.float32 if packed else target.dtype
-    # deepcopy everything but the embedding, which becomes the target's (memo maps it to the target's)
-    prepared = copy.deepcopy(head, memo={id(head.embed_tokens.weight): embed})
+    if adopt:
+        prepared = head
+        prepared.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
+    else:  # deepcopy everything but the embedding, which becomes the target's (memo maps it to the target's)
+        prepared = copy.deepcopy(head, memo={id(head.embed_tokens.weight): embed})
     for name, p in prepared.named_parameters():
         if not name.startswith("embed_tokens"):
             p.data = p.data.to(target.device, dtype)
@@ -179,14 +184,14 @@ def seed_calibration(metrics: dict | None, fingerprint: str) -> AcceptCalibratio
 
 
 def make_binding(head: Eagle3DraftHead | None, version: str | None, target: Target, store: CalibrationStore,
-                 metrics: dict | None = None) -> HeadBinding:
-    """Validate and prepare `head` for `target`, with its calibration (cache, then head.json, then the
-    head's own probabilities). Raises HeadRefused."""
+                 metrics: dict | None = None, adopt: bool = False) -> HeadBinding:
+    """Validate and prepare `head` for `target` (in place when `adopt`, see prepare_head), with its
+    calibration (cache, then head.json, then the head's own probabilities). Raises HeadRefused."""
     label = target.lossless
     if head is None:
         return HeadBinding(None, None, compute=target.compute, lossless=label)
     check_head(head, target)
-    prepared = prepare_head(head, target)
+    prepared = prepare_head(head, target, adopt)
     calibration, source = None, "prior"
     if version:
         calibration, source = store.load(version, target.fingerprint, target.compute), "cache"

@@ -175,16 +175,22 @@ class SpeculativeEngine:
     def calibration(self):
         return self._binding.calibration
 
-    def set_head(self, head, version: str | None = None) -> SwapResult:
+    def set_head(self, head, version: str | None = None, *, adopt: bool = False) -> SwapResult:
         """Hot swap: validate and prepare `head` (Eagle3DraftHead, LoadedHead or None = plain decoding)
         on the caller's thread, then flip the binding. Requests in flight finish on the head they
-        started with; requests that start later use the new one. A refused head changes nothing."""
+        started with; requests that start later use the new one. A refused head changes nothing.
+        `head` may also be a HeadBinding this engine prepared earlier (`bind`, or one it served before):
+        then the swap is the flip alone. `adopt`: the head is handed over and prepared in place (no copy)."""
         t0 = time.perf_counter()
         try:
-            binding = self.bind(head, version)
+            binding = head if isinstance(head, HeadBinding) else self.bind(head, version, adopt=adopt)
+            if binding.compute != self.target.compute:
+                raise GenerationError(f"the binding was prepared for compute {binding.compute!r}, this engine "
+                                      f"runs {self.target.compute!r}")
         except GenerationError as e:
             ms = (time.perf_counter() - t0) * 1e3
-            return SwapResult(False, f"refused {version or 'head'}: {e}; {self.head_version or 'plain decoding'} "
+            name = version or getattr(head, "version", None) or "head"
+            return SwapResult(False, f"refused {name}: {e}; {self.head_version or 'plain decoding'} "
                                      "keeps serving", self.head_version, ms)
         # the verify-cost table, if still missing, is measured by the next request on the decode
         # thread: timing forwards here would run the target concurrently with a request in flight
@@ -195,13 +201,14 @@ class SpeculativeEngine:
         return SwapResult(True, f"{what} serving (calibration from {binding.calibration_source}); in-flight "
                                 f"requests finish on {old.version or 'plain decoding'}", binding.version, ms)
 
-    def bind(self, head, version: str | None = None) -> HeadBinding:
+    def bind(self, head, version: str | None = None, *, adopt: bool = False) -> HeadBinding:
         """Validate and prepare `head` (Eagle3DraftHead, LoadedHead or None) into a binding without installing
-        it: a canary on one replica passes it to `stream(binding=...)` for its share of requests. Raises
-        GenerationError naming why a head cannot draft for this target."""
+        it: a canary on one replica passes it to `stream(binding=...)` for its share of requests. `adopt`:
+        the caller hands the head over, prepared in place instead of copied. Raises GenerationError naming
+        why a head cannot draft for this target."""
         try:
             head, version, metrics = _unpack_head(head, version)
-            return make_binding(head, version, self.target, self.calibrations, metrics)
+            return make_binding(head, version, self.target, self.calibrations, metrics, adopt)
         except HeadRefused as e:
             raise GenerationError(str(e)) from None
 

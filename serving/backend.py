@@ -9,7 +9,11 @@ Owns: the `Backend` protocol (prepare a request -> prompt ids; stream it -> toke
 
 Hot swap goes through `engine.set_head`: a request binds its head when it starts and finishes on it,
 so a swap never disturbs the request in flight; a version that is missing or fails validation is
-refused with the reason and the old head keeps serving.
+refused with the reason and the old head keeps serving. The head a swap replaced stays prepared
+(`keep_previous`), and a canary's head is prepared already, so a rollback to the previous champion and
+the promotion of a canary's head are a flip with nothing to load: neither competes with decoding for
+the cores. Every other swap loads the version from the registry (every check, sha256 included) and
+prepares it in place (`adopt`: the loaded head belongs to this engine alone).
 
 Canary on one replica: `set_canary(version, fraction)` prepares the candidate with `engine.bind`
 (not installed) and decodes `fraction` of the requests with it, chosen by a stable hash of the
@@ -119,10 +123,12 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, engine: SpeculativeEngine, registry: Optional[HeadRegistry] = None,
-                 max_prompt_tokens: Optional[int] = None) -> None:
+                 max_prompt_tokens: Optional[int] = None, keep_previous: bool = True) -> None:
         self.engine, self.registry, self.max_prompt_tokens = engine, registry, max_prompt_tokens
         self._swap_lock = threading.Lock()  # swaps are serialised; decoding never waits for them
         self._canary: Optional[CanaryBinding] = None  # read once per request (one reference)
+        self.keep_previous = keep_previous
+        self._previous: Optional[HeadBinding] = None  # what served before the last swap, still prepared
 
     @property
     def head_version(self) -> str:
@@ -211,23 +217,43 @@ class ReferenceBackend:
         t = self.engine.target
         return self.registry.load(version, t, device=t.device, dtype=t.dtype, share_embeddings=True)
 
+    def _prepared(self, version: str) -> Optional[HeadBinding]:
+        """A binding of `version` this replica holds prepared already (its canary, or the head it served
+        before the last swap), else None."""
+        if self._canary is not None and self._canary.version == version:
+            return self._canary.binding
+        prev = self._previous
+        if prev is not None and (PLAIN if prev.version is None else prev.version) == version:
+            return prev
+        return None
+
     def swap_head(self, version: str) -> SwapResult:
         """Serve `version` ("none": plain decoding) from the next request on; in-flight requests finish
         on their head. Missing or invalid versions are refused and the old head keeps serving. A
-        canary of `version` ends: the installed head now is that version."""
+        canary of `version` ends: the installed head now is that version (its binding, prepared and
+        calibrated during the canary, is installed as it is)."""
         with self._swap_lock:
             current = self.head_version
             t0 = time.perf_counter()
-            try:
-                loaded = self._load(version)
-            except Exception as e:  # noqa: BLE001 - any refusal (missing, checksum, shape) keeps the old head
-                ms = (time.perf_counter() - t0) * 1e3
-                return SwapResult(False, f"refused {version}: {e}; {current} keeps serving", self.engine.head_version,
-                                  ms)
-            res = self.engine.set_head(loaded, None if version == PLAIN else version)
-            if res.ok and self._canary is not None and self._canary.version == version:
+            if version == current:
+                return SwapResult(True, f"{version} already serving; nothing to do", self.engine.head_version, 0.0)
+            old, ready = self.engine.binding, self._prepared(version)
+            if ready is not None:
+                res, how = self.engine.set_head(ready), "prepared earlier: a flip"
+            else:
+                try:
+                    loaded = self._load(version)
+                except Exception as e:  # noqa: BLE001 - any refusal (missing, checksum, shape) keeps the old head
+                    ms = (time.perf_counter() - t0) * 1e3
+                    return SwapResult(False, f"refused {version}: {e}; {current} keeps serving",
+                                      self.engine.head_version, ms)
+                res, how = self.engine.set_head(loaded, None if version == PLAIN else version, adopt=True), "loaded"
+            if not res.ok:
+                return res
+            self._previous = old if self.keep_previous else None
+            if self._canary is not None and self._canary.version == version:
                 self._canary = None
-            return replace(res, install_ms=(time.perf_counter() - t0) * 1e3)
+            return replace(res, message=f"{res.message} ({how})", install_ms=(time.perf_counter() - t0) * 1e3)
 
     def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
         """Decode `fraction` of requests (stable hash of the request id) with `version`, prepared next to
@@ -249,7 +275,8 @@ class ReferenceBackend:
                 return SwapResult(False, f"refused canary {version}: it already serves every request",
                                   current.version if current else None)
             try:
-                binding = self.engine.bind(self._load(version), None if version == PLAIN else version)
+                binding = self._prepared(version) or self.engine.bind(
+                    self._load(version), None if version == PLAIN else version, adopt=True)
             except Exception as e:  # noqa: BLE001 - missing, checksum, shape: the old canary (if any) stays
                 return SwapResult(False, f"refused canary {version}: {e}", current.version if current else None,
                                   (time.perf_counter() - t0) * 1e3)

@@ -94,6 +94,30 @@ def test_prepared_head_shares_the_target_embedding_and_leaves_the_given_head_alo
     check_head(prepared, target)
 
 
+
+def test_an_adopted_head_is_prepared_in_place_and_a_prepared_binding_installs_by_a_flip():
+    """adopt: a head handed over (loaded for this engine alone) is prepared without a copy of its weights; a
+    binding prepared earlier installs as it is; one prepared for another compute mode is refused."""
+    from dataclasses import replace
+
+    target, v1 = tiny_setup(seed=3)
+    engine = SpeculativeEngine(target, v1, EngineConfig(**FIXED), head_version="v1")
+    engine.eos_ids = set()
+    head = other_head(target, 7)
+    fc = head.fc.weight.data_ptr()
+    binding = engine.bind(head, "v2", adopt=True)
+    assert binding.head is head and head.fc.weight.data_ptr() == fc
+    assert head.embed_tokens.weight.data_ptr() == target.input_embeddings().data_ptr()
+    prompt, sp = [4, 8, 15, 16], SamplingParams(max_tokens=16)
+    old = engine.binding
+    res = engine.set_head(binding)
+    assert res.ok and engine.binding is binding and engine.head_version == "v2"
+    assert engine.generate(prompt, sp).token_ids == plain_greedy(target, prompt, 16)
+    assert engine.set_head(old).ok and engine.binding is old  # back: a flip too
+    foreign = replace(binding, compute="some-other-mode")
+    refused = engine.set_head(foreign)
+    assert not refused.ok and "compute" in refused.message and engine.binding is old
+
 def test_swaps_from_another_thread_never_break_requests_in_flight():
     target, v1 = tiny_setup(seed=4)
     heads = [v1, other_head(target, 11), other_head(target, 12)]

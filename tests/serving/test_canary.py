@@ -133,3 +133,47 @@ def test_swap_and_canary_preparation_run_below_the_decode_threads_priority(stack
         assert seen == {"swap": niced, "canary": niced, "decode": base}, (seen, base)
     finally:
         server.close()
+
+
+def test_rollback_and_canary_promotion_are_flips_of_heads_prepared_earlier(stack):
+    """The head a swap replaced stays prepared, so swapping back to it (a rollback) loads nothing; a canary's
+    head is installed as it was prepared (with what it learnt), not loaded again; any other version is loaded
+    from the registry. Outputs stay plain greedy output throughout."""
+    backend = stack.backend("v1")
+    engine = backend.engine
+    want = stack.plain_text([{"role": "user", "content": PROMPT}], 8).text
+    server = stack.server("v1", "solo")
+    server.backend = backend  # (the server's own backend is replaced by the one the test inspects)
+
+    loads = []
+    real_load = backend._load
+    backend._load = lambda version: loads.append(version) or real_load(version)
+    try:
+        v1 = engine.binding
+        res = backend.swap_head("v2")
+        assert res.ok and "loaded" in res.message and loads == ["v2"]
+        v2 = engine.binding
+        res = backend.swap_head("v1")  # rollback
+        assert res.ok and "flip" in res.message and loads == ["v2"] and engine.binding is v1
+        assert backend.swap_head("v1").ok and loads == ["v2"]  # already serving: nothing to do
+        assert backend.swap_head("v2").ok and engine.binding is v2 and loads == ["v2"]
+        assert backend.swap_head("none").ok and engine.head_version is None and loads == ["v2", "none"]
+        assert backend.swap_head("v2").ok and engine.binding is v2  # plain decoding replaced it: still held
+
+        assert backend.set_canary("v1", 0.5).ok and loads == ["v2", "none", "v1"]  # (the previous is plain)
+        canary = backend.canary.binding
+        assert canary.head is not None and canary.version == "v1"
+        res = backend.swap_head("v1")  # the canary promoted: its own binding, nothing loaded again
+        assert res.ok and "flip" in res.message and engine.binding is canary and backend.canary is None
+        assert loads == ["v2", "none", "v1"]
+        refused = backend.swap_head("v9")
+        assert not refused.ok and engine.binding is canary and backend.head_version == "v1"
+        for version in ("v2", "v1", "none", "v1"):
+            assert backend.swap_head(version).ok
+            assert server.generate(request(f"after-{version}")).text == want
+    finally:
+        server.close()
+
+    plain = stack.backend("v1")
+    plain.keep_previous = False
+    assert plain.swap_head("v2").ok and plain.swap_head("v1").ok and "loaded" in plain.swap_head("v2").message
