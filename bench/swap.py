@@ -12,19 +12,23 @@ behind the gateway, `--clients` threads streaming chat completions back to back 
 replicas' drafting is pinned (no timing-driven tree sizing, no cross-request suffix index), so a request's
 streamed chunks (one per verify step that emitted text) line up one for one with the same prompt served on
 the same head without a swap. Reference (baseline): every prompt once on each head, same load, no swap.
-Subject: the same load while `GatewayFleet.swap` (the policy's promotion path) alternates every replica
-between the two heads every `--swap-every` seconds. The *stall* a swap causes a request in flight is the
-largest excess, over its gaps between consecutive chunks that overlap a swap call, of the gap over the same
-gap in the reference. Control: the same figure over placebo windows of the same lengths half-way between two
-swaps (same phase, same load, nothing swapping): it is the measurement's noise floor. A failed request is a
-non-200 answer, an error event in the stream, or a stream without its final chunk. Every prompt's text must
-be the same throughout (lossless under swaps).
+Subject: the same load while `GatewayFleet.swap` (the policy's path) swaps every replica every `--swap-every`
+seconds, in a repeating pattern of two promotions and one rollback: a promotion installs a head the replica
+does not hold (three heads rotate, so it is loaded from the registry, checked and prepared), a rollback
+returns to the head the last swap replaced (held prepared: a flip). The *stall* one swap causes one request in
+flight is the largest excess, over the request's gaps between consecutive chunks that overlap the swap call,
+of the gap over the same gap in the reference; a sample per (swap, request in flight). Control: the same
+figure over placebo windows of the same lengths half-way between two swaps (same phase, same load, nothing
+swapping): the measurement's noise floor. A failed request is a non-200 answer, an error event in the
+stream, or a stream without its final chunk. Every prompt's text must be the same throughout (lossless
+under swaps).
 
 Targets: `smollm2` (the real SmolLM2-135M-Instruct, the shipped heads v1 and v2) or `tiny` (a random tiny
 Llama with a word tokenizer and two random heads: a smoke run). `--quick`: a short run.
-Ends with one JSON line: the engine figures, `swap_stall_p50_ms` and `swap_stall_p99_ms` (fleet, requests in
-flight during swaps), `placebo_stall_p50_ms`, `placebo_stall_p99_ms`, `fleet_swap_ms_p50`, `fleet_swaps`,
-`failed_requests`, `outputs_unchanged`.
+Ends with one JSON line: the engine figures, `swap_stall_p50_ms` and `swap_stall_p99_ms` (fleet promotions:
+requests in flight while a head is loaded and installed), `rollback_stall_p50_ms` / `rollback_stall_p99_ms`
+(flips to the head held prepared), `placebo_stall_p50_ms`, `placebo_stall_p99_ms`, `fleet_swap_ms_p50`,
+`rollback_ms_p50`, `fleet_swaps`, `failed_requests`, `outputs_unchanged`.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ def ms(x: float | None) -> float | None:
 class Setup:
     target: object
     registry: object  # HeadRegistry holding `versions`
-    versions: tuple[str, str]  # the two heads swaps alternate between (the first serves at start)
+    versions: tuple[str, ...]  # three heads swaps rotate through (the first serves at start)
     prompts: list[str]
     engine: dict  # EngineConfig / EngineParams fields
     prompt: str  # part 1's request
@@ -91,23 +95,29 @@ def tiny_setup(tmp: Path) -> Setup:
     target = tiny_chat_target()
     registry = HeadRegistry.create(tmp / "registry")
     cfg = DraftHeadConfig.from_target(target.config, draft_vocab_size=64, aux_layer_ids=target.aux_layer_ids)
-    for version, seed in (("tiny-v1", 11), ("tiny-v2", 12)):
+    for version, seed in (("tiny-v1", 11), ("tiny-v2", 12), ("tiny-v3", 13)):
         torch.manual_seed(seed)
         head = Eagle3DraftHead(cfg)
         init_weights(head, std=0.1)
         head.embed_tokens.weight.data.copy_(target.input_embeddings())
         registry.register(head, HeadMeta.new(version, target.name, target.fingerprint), dtype=torch.float32)
-    return Setup(target, registry, ("tiny-v1", "tiny-v2"), TINY, TINY_ENGINE, TINY[0])
+    return Setup(target, registry, ("tiny-v1", "tiny-v2", "tiny-v3"), TINY, TINY_ENGINE, TINY[0])
 
 
 def smollm2_setup(tmp: Path, device: str) -> Setup:
+    """The shipped heads v2 and v1, and v1's weights once more under a third version (a promotion must load a
+    head the replica does not hold; with two, every swap would return to the one held prepared)."""
+    import dataclasses
+
     from adaptive_eagle.registry import HeadRegistry
     from adaptive_eagle.targets import load_target
 
     target = load_target(device=device)
     registry = HeadRegistry.create(tmp / "registry")
-    versions = tuple(registry.add(HEADS / name) for name in ("smollm2-135m-english-v2", "smollm2-135m-english-v1"))
-    return Setup(target, registry, versions, ENGLISH, {}, PROMPT)
+    versions = [registry.add(HEADS / name) for name in ("smollm2-135m-english-v2", "smollm2-135m-english-v1")]
+    v1 = registry.load(versions[1], target)
+    versions.append(registry.register(v1.head, dataclasses.replace(v1.meta, version=f"{versions[1]}-copy")))
+    return Setup(target, registry, tuple(versions), ENGLISH, {}, PROMPT)
 
 
 # ---- part 1: one engine ----------------------------------------------------------------------------
@@ -259,16 +269,39 @@ def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop
     return out
 
 
-def paired_stall(r: Streamed, reference: dict, windows: list[tuple[float, float]]) -> float | None:
-    """How much longer than without a swap the request waited for a chunk while a window was open: the largest
-    (gap - the same gap of the same prompt on the same head with no swap) over its gaps that overlap a window.
-    None when the request overlaps no window or has no reference with the same chunks."""
-    ref = reference.get((r.prompt, r.head_version))
-    if ref is None or ref.deltas != r.deltas:
-        return None
-    excess = [(b - a) - (rb - ra) for (a, b), (ra, rb) in zip(r.gaps, ref.gaps)
-              if any(a < t1 and b > t0 for t0, t1 in windows)]
-    return max(excess) if excess else None
+def stalls(requests: list[Streamed], reference: dict, windows: list[tuple[float, float]]) -> list[float]:
+    """One sample per (window, request in flight during it): how much longer than without a swap the request
+    waited for a chunk while the window was open, i.e. the largest (gap - the same gap of the same prompt on
+    the same head with no swap) over its gaps that overlap the window. Requests without a reference with the
+    same chunks are left out."""
+    out = []
+    for r in requests:
+        ref = reference.get((r.prompt, r.head_version))
+        if ref is None or ref.deltas != r.deltas:
+            continue
+        pairs = list(zip(r.gaps, ref.gaps))
+        for t0, t1 in windows:
+            excess = [(b - a) - (rb - ra) for (a, b), (ra, rb) in pairs if a < t1 and b > t0]
+            if excess:
+                out.append(max(excess))
+    return out
+
+
+def schedule(versions: tuple[str, ...], swaps: int) -> list[tuple[str, str]]:
+    """(version, kind) of each swap: two promotions (a head the replicas do not hold), then a rollback to the
+    head the last promotion replaced; the first version serves at start."""
+    current, previous, plan, nxt = versions[0], None, [], 1
+    for k in range(swaps):
+        if k % 3 == 2:
+            version, kind = previous, "rollback"
+        else:
+            while versions[nxt % len(versions)] in (current, previous):
+                nxt += 1
+            version, kind = versions[nxt % len(versions)], "promotion"
+            nxt += 1
+        plan.append((version, kind))
+        current, previous = version, current
+    return plan
 
 
 def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps: int, swap_every_s: float) -> dict:
@@ -285,24 +318,29 @@ def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps
     gateway = GatewayThread(app)
     url = gateway.start(timeout=300)
     fleet = app.state.gateway.fleet
-    windows: list[tuple[float, float]] = []
+    plan = schedule(setup.versions, swaps)
+    windows: dict[str, list[tuple[float, float]]] = {"promotion": [], "rollback": []}
     refused: list[str] = []
     n = len(setup.prompts)
     try:
         load_phase(url, setup.prompts, replicas, max_tokens, count=replicas)  # warm-up
         # the reference: every prompt on each head under the same load, no swap while requests run
         baseline = []
-        for version in (setup.versions[1], setup.versions[0]):
+        for version in (*setup.versions[1:], setup.versions[0]):
             assert all(r.ok for r in fleet.swap(version))
             baseline += load_phase(url, setup.prompts, clients, max_tokens, count=n)
+        assert all(r.ok for r in fleet.swap(setup.versions[1])) and all(r.ok for r in fleet.swap(setup.versions[0]))
+        # (each replica now holds versions[1] prepared, as a replica that served it before would)
 
         def swapper(stop: threading.Event) -> None:
-            for k in range(swaps):
+            for version, kind in plan:
                 time.sleep(swap_every_s)
                 t0 = time.perf_counter()
-                results = fleet.swap(setup.versions[(k + 1) % 2])
-                windows.append((t0, time.perf_counter()))
+                results = fleet.swap(version)
+                windows[kind].append((t0, time.perf_counter()))
                 refused.extend(r.message for r in results if not r.ok)
+                if kind == "rollback" and not all("flip" in r.message for r in results if r.ok):
+                    refused.append(f"rollback to {version} loaded it: {[r.message for r in results]}")
             time.sleep(swap_every_s)
             stop.set()
 
@@ -315,27 +353,31 @@ def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps
             s.close()
 
     reference = {(r.prompt, r.head_version): r for r in baseline if r.ok}
-    # placebo windows: as long as each swap, half-way between two swaps (the same load, nothing swapping)
-    placebo = [(t0 - swap_every_s / 2, t0 - swap_every_s / 2 + (t1 - t0)) for t0, t1 in windows]
-    placebo = [(a, b) for a, b in placebo if not any(a < t1 and b > t0 for t0, t1 in windows)]
+    every = sorted(windows["promotion"] + windows["rollback"])
+    # placebo windows: as long as each promotion, half-way between two swaps (the same load, nothing swapping)
+    placebo = [(t0 - swap_every_s / 2, t0 - swap_every_s / 2 + (t1 - t0)) for t0, t1 in windows["promotion"]]
+    placebo = [(a, b) for a, b in placebo if not any(a < t1 and b > t0 for t0, t1 in every)]
     ok = [r for r in subject if r.ok]
-    hit = [x for r in ok if (x := paired_stall(r, reference, windows)) is not None]
-    quiet = [x for r in ok if (x := paired_stall(r, reference, placebo)) is not None]
+    hit = stalls(ok, reference, windows["promotion"])
+    flips = stalls(ok, reference, windows["rollback"])
+    quiet = stalls(ok, reference, placebo)
     in_flight = [r for r in ok if any(r.chunk_times and r.chunk_times[0] < t1 and r.chunk_times[-1] > t0
-                                      for t0, t1 in windows)]
+                                      for t0, t1 in every)]
     texts: dict[int, set[str]] = {}
     for r in baseline + subject:
         if r.ok:
             texts.setdefault(r.prompt, set()).add(r.text)
     failed = [r for r in baseline + subject if not r.ok]
-    return {"replicas": replicas, "clients": clients, "fleet_swaps": len(windows), "swaps_refused": len(refused),
-            "fleet_swap_ms_p50": ms(pct([t1 - t0 for t0, t1 in windows], 0.5)),
+    return {"replicas": replicas, "clients": clients, "fleet_swaps": len(every), "swaps_refused": len(refused),
+            "fleet_swap_ms_p50": ms(pct([t1 - t0 for t0, t1 in windows["promotion"]], 0.5)),
+            "rollback_ms_p50": ms(pct([t1 - t0 for t0, t1 in windows["rollback"]], 0.5)),
             "requests_reference": len(reference), "requests_subject_phase": len(subject),
-            "requests_during_swaps": len(in_flight), "requests_paired": len(hit),
+            "requests_during_swaps": len(in_flight), "samples_promotion": len(hit), "samples_rollback": len(flips),
             "swap_stall_p50_ms": ms(pct(hit, 0.5)), "swap_stall_p99_ms": ms(pct(hit, 0.99)),
             "swap_stall_max_ms": ms(max(hit) if hit else None),
+            "rollback_stall_p50_ms": ms(pct(flips, 0.5)), "rollback_stall_p99_ms": ms(pct(flips, 0.99)),
             "placebo_stall_p50_ms": ms(pct(quiet, 0.5)), "placebo_stall_p99_ms": ms(pct(quiet, 0.99)),
-            "requests_placebo": len(quiet),
+            "samples_placebo": len(quiet),
             "failed_requests": len(failed), "errors": [r.error for r in failed[:3]] + refused[:3],
             "outputs_unchanged": all(len(v) == 1 for v in texts.values())}
 
@@ -383,13 +425,17 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"\nfleet: {fleet['replicas']} replicas, {fleet['clients']} streaming clients, {fleet['fleet_swaps']} swaps "
-          f"(median {fleet['fleet_swap_ms_p50']} ms each, {fleet['swaps_refused']} refused)")
-    print(f"{'stall (gap - same gap unswapped), ms':<38} | {'P50':>7} {'P99':>7} | requests")
+          f"(promotion median {fleet['fleet_swap_ms_p50']} ms, rollback {fleet['rollback_ms_p50']} ms; "
+          f"{fleet['swaps_refused']} refused)")
+    print(f"{'stall (gap - same gap unswapped), ms':<38} | {'P50':>7} {'P99':>7} | samples (swap x request)")
     print(f"{'placebo windows (nothing swapping)':<38} | {fleet['placebo_stall_p50_ms']!s:>7} "
-          f"{fleet['placebo_stall_p99_ms']!s:>7} | {fleet['requests_placebo']}")
-    print(f"{'in flight during a fleet swap':<38} | {fleet['swap_stall_p50_ms']!s:>7} {fleet['swap_stall_p99_ms']!s:>7} "
-          f"| {fleet['requests_paired']} of {fleet['requests_during_swaps']} in flight "
-          f"({fleet['requests_subject_phase']} in the phase)")
+          f"{fleet['placebo_stall_p99_ms']!s:>7} | {fleet['samples_placebo']}")
+    print(f"{'in flight during a promotion (load)':<38} | {fleet['swap_stall_p50_ms']!s:>7} "
+          f"{fleet['swap_stall_p99_ms']!s:>7} | {fleet['samples_promotion']}")
+    print(f"{'in flight during a rollback (flip)':<38} | {fleet['rollback_stall_p50_ms']!s:>7} "
+          f"{fleet['rollback_stall_p99_ms']!s:>7} | {fleet['samples_rollback']}")
+    print(f"requests in flight during swaps: {fleet['requests_during_swaps']} ({fleet['requests_subject_phase']} "
+          "in the phase)")
     print(f"failed requests: {fleet['failed_requests']} {fleet['errors'] or ''}; outputs unchanged across swaps: "
           f"{fleet['outputs_unchanged']}")
     print(json.dumps({**figures, **fleet, "target": args.target, "quick": args.quick}))
