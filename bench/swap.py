@@ -400,14 +400,14 @@ def main() -> None:
     ap.add_argument("--installs", type=int, default=None, help="part 1: installs during one request (6, quick 3)")
     ap.add_argument("--replicas", type=int, default=3, help="part 2: fleet size")
     ap.add_argument("--clients", type=int, default=None, help="part 2: streaming clients (default replicas + 1)")
-    ap.add_argument("--swaps", type=int, default=None, help="part 2: fleet swaps (default 20, quick 6)")
-    ap.add_argument("--swap-every", type=float, default=None, help="part 2: seconds between swaps (2, quick 1)")
+    ap.add_argument("--swaps", type=int, default=None, help="part 2: fleet swaps (default 45, quick 6)")
+    ap.add_argument("--swap-every", type=float, default=None, help="part 2: seconds between swaps (1.5, quick 1)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     max_new = args.max_new or (48 if args.quick else 128)
     installs = args.installs or (3 if args.quick else 6)
-    swaps = args.swaps or (6 if args.quick else 20)
-    swap_every = args.swap_every or (1.0 if args.quick else 2.0)
+    swaps = args.swaps or (6 if args.quick else 45)
+    swap_every = args.swap_every or (1.0 if args.quick else 1.5)
     clients = args.clients or args.replicas + 1
     tmp = Path(tempfile.mkdtemp(prefix="bench-swap-"))
     try:
