@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from adaptive_eagle.atomic import atomic_write_text, staging_dir
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, all_finite, check_aux_layer_ids
+from adaptive_eagle.pacing import Pacer, tick
 from adaptive_eagle.targets import (
     DTYPES,
     Target,
@@ -313,11 +314,13 @@ def read_config(directory: str | os.PathLike, target: Target | None = None) -> D
 
 
 # ---- tensors --------------------------------------------------------------------------------
-def file_sha256(path: str | os.PathLike) -> str:
+def file_sha256(path: str | os.PathLike, pace: Pacer | None = None) -> str:
+    """Hex sha256 of a file; with `pace`, in 1 MiB units paced by it (a hot swap's share of a core)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
+        for chunk in iter(lambda: f.read(1 << 20 if pace is not None else 1 << 22), b""):
             h.update(chunk)
+            tick(pace)
     return h.hexdigest()
 
 
@@ -335,7 +338,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise HeadValidationError(path, f"unreadable safetensors file, truncated or corrupt ({e})") from None
 
 
-def _check_tensors(head: Eagle3DraftHead, raw: dict[str, torch.Tensor], where: Path | str) -> dict[str, torch.Tensor]:
+def _check_tensors(head: Eagle3DraftHead, raw: dict[str, torch.Tensor], where: Path | str,
+                   pace: Pacer | None = None) -> dict[str, torch.Tensor]:
     """Canonical names, then names / shapes / dtypes / finiteness / vocab map against `head`'s layout."""
     tensors: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
@@ -359,6 +363,7 @@ def _check_tensors(head: Eagle3DraftHead, raw: dict[str, torch.Tensor], where: P
                 raise HeadValidationError(where, f"tensor {key!r} has dtype {t.dtype}, expected a floating dtype")
             if not all_finite(t):
                 raise HeadValidationError(where, f"tensor {key!r} has non-finite values (NaN or inf)")
+            tick(pace)
         elif t.dtype != ref.dtype and not (key == "d2t" and t.dtype == torch.int32):
             raise HeadValidationError(where, f"tensor {key!r} has dtype {t.dtype}, expected {ref.dtype}")
     _check_vocab_map(head.cfg, tensors["d2t"].long(), tensors["t2d"], where)
@@ -396,11 +401,25 @@ def _check_target(cfg: DraftHeadConfig, meta: HeadMeta | None, target: Target, w
                                   f"target {target.fingerprint} (allow_fingerprint_mismatch=True loads anyway)")
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype, pace: Pacer | None) -> torch.Tensor:
+    """t in dtype; with `pace`, a large tensor is converted in blocks of rows (~1 MiB each), paced."""
+    if t.dtype == dtype or pace is None or t.dim() == 0 or t.numel() * t.element_size() <= 1 << 20:
+        out = t.to(dtype)
+        tick(pace)
+        return out
+    out = torch.empty(t.shape, dtype=dtype)
+    rows = max(1, (1 << 20) // max(1, t[0].numel() * t.element_size()))
+    for i in range(0, t.shape[0], rows):
+        out[i:i + rows].copy_(t[i:i + rows])
+        tick(pace)
+    return out
+
+
 def _fill_head(head: Eagle3DraftHead, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-               target: Target | None, share_embeddings: bool = False) -> Eagle3DraftHead:
+               target: Target | None, share_embeddings: bool = False, pace: Pacer | None = None) -> Eagle3DraftHead:
     """Make `head` hold exactly `tensors` (cast to dtype) and the target's frozen embeddings (zeros without one;
     a copy unless `share_embeddings`, which reads the target's own tensor when its dtype is `dtype`)."""
-    state = {k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+    state = {k: _cast(t, dtype, pace) if t.is_floating_point() else t for k, t in tensors.items()}
     state["d2t"] = state["d2t"].long()
     if target is None:
         state[EMBED_KEY] = torch.zeros(head.cfg.vocab_size, head.cfg.hidden_size, dtype=dtype)
@@ -474,14 +493,16 @@ class LoadedHead:
 
 def load_head(directory: str | os.PathLike, target: Target | None = None, *, device: str | torch.device = "cpu",
               dtype: torch.dtype | None = None, verify_checksum: bool = True,
-              allow_fingerprint_mismatch: bool = False, share_embeddings: bool = False) -> LoadedHead:
+              allow_fingerprint_mismatch: bool = False, share_embeddings: bool = False,
+              pace: Pacer | None = None) -> LoadedHead:
     """Validate and load a head version; with `target`, also check compatibility and attach its embeddings.
 
     dtype None keeps the saved dtype (bit-exact). Without a target, embed_tokens is zeros; with one, a copy
     of its input embeddings, or (`share_embeddings`: a head loaded only to draft for that target, as a
     server's swap does, with the target's dtype and device) the target's own tensor, never to be written. A head.json
     whose target_fingerprint is "" (imported without a target) is not pinned: only the vocab, width
-    and aux checks apply. Raises HeadValidationError on any refusal.
+    and aux checks apply. `pace`: do the work in small units paced by it (a server's hot swap shares the cores
+    with requests decoding). Raises HeadValidationError on any refusal.
     """
     d = Path(directory)
     for name in (CONFIG_FILE, WEIGHTS_FILE, META_FILE):
@@ -491,13 +512,14 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
     cfg, upgraded = _config_from_dict(_read_json(d / CONFIG_FILE), d / CONFIG_FILE, target)
     if target is not None:
         _check_target(cfg, meta, target, d / CONFIG_FILE, allow_fingerprint_mismatch)
-    if verify_checksum and (digest := file_sha256(d / WEIGHTS_FILE)) != meta.sha256:
+    if verify_checksum and (digest := file_sha256(d / WEIGHTS_FILE, pace)) != meta.sha256:
         raise HeadValidationError(d / WEIGHTS_FILE, f"sha256 mismatch: file {digest[:16]}…, head.json "
                                                     f"{meta.sha256[:16]}…")
     with torch.device("meta"):  # the reference layout without storage: every tensor comes from the file or the target
         head = Eagle3DraftHead(cfg)  # (a randomly initialised head would cost a hot swap ~0.25 s of CPU for nothing)
-    tensors = _check_tensors(head, _read_safetensors(d / WEIGHTS_FILE), d / WEIGHTS_FILE)
-    head = _fill_head(head, tensors, dtype or _float_dtype(upgraded, tensors), target, share_embeddings).to(device)
+    tensors = _check_tensors(head, _read_safetensors(d / WEIGHTS_FILE), d / WEIGHTS_FILE, pace)
+    head = _fill_head(head, tensors, dtype or _float_dtype(upgraded, tensors), target, share_embeddings,
+                      pace).to(device)
     return LoadedHead(head=head, meta=meta, config=cfg)
 
 

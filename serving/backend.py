@@ -34,6 +34,7 @@ import torch
 
 from adaptive_eagle.binding import HeadBinding, SwapResult
 from adaptive_eagle.engine import GenerationError, SpeculativeEngine
+from adaptive_eagle.pacing import Pacer
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import TraceRecord
 from serving.messages import PLAIN, DecodeRequest
@@ -123,8 +124,12 @@ class ReferenceBackend:
     name = "reference"
 
     def __init__(self, engine: SpeculativeEngine, registry: Optional[HeadRegistry] = None,
-                 max_prompt_tokens: Optional[int] = None, keep_previous: bool = True) -> None:
+                 max_prompt_tokens: Optional[int] = None, keep_previous: bool = True,
+                 swap_cpu_share: float = 0.25) -> None:
+        if not 0.0 < swap_cpu_share <= 1.0:
+            raise ValueError(f"swap_cpu_share must be in (0, 1], got {swap_cpu_share}")
         self.engine, self.registry, self.max_prompt_tokens = engine, registry, max_prompt_tokens
+        self.swap_cpu_share = swap_cpu_share  # of one core, while a swap reads, checks and converts a head
         self._swap_lock = threading.Lock()  # swaps are serialised; decoding never waits for them
         self._canary: Optional[CanaryBinding] = None  # read once per request (one reference)
         self.keep_previous = keep_previous
@@ -213,9 +218,11 @@ class ReferenceBackend:
         if self.registry is None:
             raise RuntimeError("this server has no head registry")
         # loaded as the engine will run it: in the target's dtype, sharing the target's own embeddings (no
-        # copy, no conversion of the largest tensor on a swap that competes with decoding for the cores)
+        # copy, no conversion of the largest tensor on a swap that competes with decoding for the cores), the
+        # checksum, checks and conversions done in ~1 ms units paced to swap_cpu_share of a core
         t = self.engine.target
-        return self.registry.load(version, t, device=t.device, dtype=t.dtype, share_embeddings=True)
+        return self.registry.load(version, t, device=t.device, dtype=t.dtype, share_embeddings=True,
+                                  pace=Pacer(self.swap_cpu_share))
 
     def _prepared(self, version: str) -> Optional[HeadBinding]:
         """A binding of `version` this replica holds prepared already (its canary, or the head it served
@@ -290,7 +297,9 @@ class ReferenceBackend:
                 "lossless": t.lossless, "head_version": self.head_version, "engine": asdict(self.engine.config),
                 "registry": str(self.registry.root) if self.registry is not None else None,
                 "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings,
-                "canary": self._canary.to_json() if self._canary is not None else None}
+                "canary": self._canary.to_json() if self._canary is not None else None,
+                "previous_head": (None if (prev := self._previous) is None  # held prepared: a swap back is a flip
+                                  else PLAIN if prev.version is None else prev.version)}
 
 
 def _fits(engine: SpeculativeEngine, n_prompt: int, sampling) -> bool:

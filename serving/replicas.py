@@ -86,7 +86,7 @@ class ReplicaBuilder:
             head = registry.load(version, target, device=target.device)
         engine = SpeculativeEngine(target, head, EngineConfig(**cfg.engine.model_dump()),
                                    head_version=None if version == PLAIN else version)
-        return ReferenceBackend(engine, registry, cfg.max_prompt_tokens)
+        return ReferenceBackend(engine, registry, cfg.max_prompt_tokens, swap_cpu_share=cfg.swap_cpu_share)
 
     def _sglang(self, registry, version: str):
         from transformers import AutoTokenizer

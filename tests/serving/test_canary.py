@@ -153,8 +153,10 @@ def test_rollback_and_canary_promotion_are_flips_of_heads_prepared_earlier(stack
         res = backend.swap_head("v2")
         assert res.ok and "loaded" in res.message and loads == ["v2"]
         v2 = engine.binding
+        assert backend.info()["previous_head"] == "v1"
         res = backend.swap_head("v1")  # rollback
         assert res.ok and "flip" in res.message and loads == ["v2"] and engine.binding is v1
+        assert backend.info()["previous_head"] == "v2"
         assert backend.swap_head("v1").ok and loads == ["v2"]  # already serving: nothing to do
         assert backend.swap_head("v2").ok and engine.binding is v2 and loads == ["v2"]
         assert backend.swap_head("none").ok and engine.head_version is None and loads == ["v2", "none"]
