@@ -121,21 +121,26 @@ def smollm2_setup(tmp: Path, device: str) -> Setup:
 
 
 # ---- part 1: one engine ----------------------------------------------------------------------------
-def timed_steps(engine, prompt, sp, on_step=None) -> tuple[list[float], list[int], str | None]:
-    """Per-step wall ms of one streamed request, its tokens and the head version it reported."""
-    times, tokens, version = [], [], None
+def timed_steps(engine, prompt, sp, on_step=None) -> tuple[list[tuple[float, float]], list[int], str | None]:
+    """(start, end) perf_counter of every step of one streamed request, its tokens and the head version it
+    reported."""
+    spans, tokens, version = [], [], None
     t = time.perf_counter()
     for i, (new, res) in enumerate(engine.stream(prompt, sp, request_id="swap-bench")):
         now = time.perf_counter()
         if res is not None:
             version = res.head_version
             break
-        times.append((now - t) * 1e3)
+        spans.append((t, now))
         tokens += new
         if on_step:
             on_step(i)
         t = time.perf_counter()
-    return times, tokens, version
+    return spans, tokens, version
+
+
+def span_ms(spans: list[tuple[float, float]]) -> list[float]:
+    return [(b - a) * 1e3 for a, b in spans]
 
 
 def engine_swap(setup: Setup, max_new: int, installs: int) -> dict:
@@ -151,35 +156,34 @@ def engine_swap(setup: Setup, max_new: int, installs: int) -> dict:
         assert res.ok, res.message
         alone.append(res.install_ms)
     engine.set_head(heads[0])
-    base_times, base_tokens, _ = timed_steps(engine, setup.prompt, sp)
+    base_spans, base_tokens, _ = timed_steps(engine, setup.prompt, sp)
+    base_times = span_ms(base_spans)
 
     # the same request, with installs from another thread every `every` steps
     every = max(2, len(base_times) // (installs + 1))
-    installing = threading.Event()
-    during: set[int] = set()
+    windows: list[tuple[float, float]] = []  # (start, end) of every install
     loaded_ms: list[float] = []
     threads: list[threading.Thread] = []
 
     def install(k: int) -> None:
-        installing.set()
+        t0 = time.perf_counter()
         res = engine.set_head(heads[k % 2])
+        windows.append((t0, time.perf_counter()))
         loaded_ms.append(res.install_ms)
-        installing.clear()
 
     def on_step(i: int) -> None:
-        if installing.is_set():
-            during.add(i)
-        if i and i % every == 0 and len(threads) < installs and not installing.is_set():
+        if i and i % every == 0 and len(threads) < installs and not any(th.is_alive() for th in threads):
             th = threading.Thread(target=install, args=(len(threads) + 1,))
             threads.append(th)
             th.start()
 
     engine.set_head(heads[0])
-    swap_times, swap_tokens, version = timed_steps(engine, setup.prompt, sp, on_step)
+    swap_spans, swap_tokens, version = timed_steps(engine, setup.prompt, sp, on_step)
     for th in threads:
         th.join()
-    hit = [swap_times[i] for i in sorted(during) if i < len(swap_times)]
-    quiet = [t for i, t in enumerate(swap_times) if i not in during]
+    overlaps = [any(a < t1 and b > t0 for t0, t1 in windows) for a, b in swap_spans]
+    hit = [t for t, o in zip(span_ms(swap_spans), overlaps) if o]
+    quiet = [t for t, o in zip(span_ms(swap_spans), overlaps) if not o]
     return {
         "head_install_ms": round(statistics.median(alone), 1),
         "head_install_ms_while_decoding": round(statistics.median(loaded_ms), 1) if loaded_ms else None,
