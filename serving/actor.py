@@ -26,6 +26,7 @@ class ServerActor(LocalReplica):
 
     def __init__(self, builder: Callable[[], DecodeServer]) -> None:
         super().__init__(builder())
+        settle_heap()  # this actor's process holds one replica's model: out of the collector's reach
 
     async def stream(self, request: DecodeRequest) -> AsyncIterator[Event]:
         async for event in self.server.astream(request):

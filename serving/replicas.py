@@ -117,7 +117,9 @@ def build_replicas(config: ServingConfig, *, ray_actors: bool = False,
     inside its own process). create_app takes either list."""
     builders = replica_builders(config, target_builder, prefix)
     if not ray_actors:
-        return [b() for b in builders]
+        servers = [b() for b in builders]
+        settle_heap()
+        return servers
     from serving.actor import remote_server_actor
 
     options = {"num_cpus": 1, **(actor_options or {})}
