@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable
 
 from serving.messages import DecodeRequest, Event
 from serving.router import LocalReplica, RayReplica
-from serving.server import DecodeServer
+from serving.server import DecodeServer, settle_heap
 
 
 class ServerActor(LocalReplica):

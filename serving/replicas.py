@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from serving.config import ServingConfig
 from serving.messages import PLAIN
-from serving.server import DecodeServer
+from serving.server import DecodeServer, settle_heap
 
 log = logging.getLogger(__name__)
 

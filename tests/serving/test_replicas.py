@@ -32,6 +32,10 @@ def test_replicas_start_on_the_champion_or_the_initial_head_with_the_configured_
         engine = servers[0].backend.engine
         assert (engine.config.depth, engine.config.topk, engine.config.num_draft_tokens) == (3, 2, 6)
         assert servers[0].backend.max_prompt_tokens == 40 and servers[0].swap_head("v1").ok
+        assert servers[0].backend.swap_cpu_share == 0.25  # the configured default
+        import gc
+
+        assert gc.get_freeze_count() > 0  # the start-up heap is out of the collector's reach
     finally:
         for s in servers:
             s.close()
