@@ -39,8 +39,9 @@ class ServingConfig(BaseModel):
     replicas: int = Field(1, ge=1, le=256, description="decode replicas (one request at a time each)")
     queue_size: int = Field(16, ge=0, description="requests that may wait for a free replica; more: 429")
     max_prompt_tokens: int = Field(2048, ge=1, description="longer prompts are refused (400)")
-    swap_cpu_share: float = Field(0.25, gt=0, le=1, description="share of one core a hot swap's preparation "
-                                  "(checksum, checks, dtype conversion) may take while requests decode; 1: unpaced")
+    swap_cpu_share: float = Field(0.25, gt=0, le=1, description="share of one core a reference replica's hot "
+                                  "swap (checksum, checks, dtype conversion) may take while requests decode; 1: "
+                                  "unpaced")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer for a replica gets 429")
