@@ -8,7 +8,7 @@ during installs, and checks that the swapped request's output is unchanged (it f
 started with).
 
 Part 2, a fleet under load: `--replicas` DecodeServers (in this process, each on its own decode thread)
-behind the gateway, `--clients` threads streaming chat completions back to back over HTTP (SSE). The
+behind the gateway, `--clients` threads (in a process of their own) streaming chat completions back to back over HTTP (SSE). The
 replicas' drafting is pinned (no timing-driven tree sizing, no cross-request suffix index), so a request's
 streamed chunks (one per verify step that emitted text) line up one for one with the same prompt served on
 the same head without a swap. Reference (baseline): every prompt once on each head, same load, no swap.
@@ -247,8 +247,8 @@ def stream_chat(client, url: str, i: int, prompt: str, max_tokens: int) -> Strea
     return Streamed(i, final, "".join(text), tuple(times), tuple(text), version, "" if final else "no final chunk")
 
 
-def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop: threading.Event | None = None,
-               count: int | None = None) -> list[Streamed]:
+def _clients(url: str, prompts: list[str], clients: int, max_tokens: int, stop=None, count: int | None = None
+             ) -> list[Streamed]:
     """`clients` threads streaming back to back, prompts in turn, until `stop` is set or `count` requests ran."""
     import httpx
 
@@ -270,6 +270,31 @@ def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+def _client_process(url, prompts, clients, max_tokens, stop, count, results) -> None:
+    results.put(_clients(url, prompts, clients, max_tokens, stop, count))
+
+
+def load_phase(url: str, prompts: list[str], clients: int, max_tokens: int, stop: threading.Event | None = None,
+               count: int | None = None) -> list[Streamed]:
+    """`_clients` in a process of their own, as real clients are: their threads do not compete with the gateway
+    and the replicas for this process's interpreter lock. Chunk times are perf_counter readings, the system's
+    monotonic clock, so they compare with swap windows taken here."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    child_stop, results = ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_client_process, args=(url, prompts, clients, max_tokens, child_stop, count, results),
+                       daemon=True)
+    proc.start()
+    if stop is not None:
+        threading.Thread(target=lambda: (stop.wait(), child_stop.set()), daemon=True).start()
+    out = results.get()  # (before join: a child blocks on a full pipe until its results are read)
+    proc.join()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"the client process exited with {proc.exitcode}")
     return out
 
 
@@ -384,15 +409,6 @@ def fleet_swap(setup: Setup, replicas: int, clients: int, max_tokens: int, swaps
             "samples_placebo": len(quiet),
             "failed_requests": len(failed), "errors": [r.error for r in failed[:3]] + refused[:3],
             "outputs_unchanged": all(len(v) == 1 for v in texts.values())}
-
-
-def _after(seconds: float) -> threading.Event:
-    """An event set `seconds` from now (a phase's stop signal)."""
-    ev = threading.Event()
-    timer = threading.Timer(seconds, ev.set)
-    timer.daemon = True
-    timer.start()
-    return ev
 
 
 # ---- main ------------------------------------------------------------------------------------------
