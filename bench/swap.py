@@ -8,10 +8,11 @@ during installs, and checks that the swapped request's output is unchanged (it f
 started with).
 
 Part 2, a fleet under load: `--replicas` DecodeServers (in this process, each on its own decode thread)
-behind the gateway, `--clients` threads (in a process of their own) streaming chat completions back to back over HTTP (SSE). The
-replicas' drafting is pinned (no timing-driven tree sizing, no cross-request suffix index), so a request's
-streamed chunks (one per verify step that emitted text) line up one for one with the same prompt served on
-the same head without a swap. Reference (baseline): every prompt once on each head, same load, no swap.
+behind the gateway, `--clients` threads (in a process of their own) streaming chat completions back to
+back over HTTP (SSE). The replicas' drafting is pinned (no timing-driven tree sizing, no cross-request
+suffix index), so a request's streamed chunks (one per verify step that emitted text) line up one for one
+with the same prompt served on the same head without a swap. Reference (baseline): every prompt once on
+each head, same load, no swap.
 Subject: the same load while `GatewayFleet.swap` (the policy's path) swaps every replica every `--swap-every`
 seconds, in a repeating pattern of two promotions and one rollback: a promotion installs a head the replica
 does not hold (three heads rotate, so it is loaded from the registry, checked and prepared), a rollback
