@@ -37,6 +37,7 @@ from adaptive_eagle.engine import GenerationError, SpeculativeEngine
 from adaptive_eagle.pacing import Pacer
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import TraceRecord
+from policies.samples import version_label
 from serving.messages import PLAIN, DecodeRequest
 
 
@@ -137,7 +138,7 @@ class ReferenceBackend:
 
     @property
     def head_version(self) -> str:
-        return PLAIN if self.engine.head_version is None else self.engine.head_version
+        return version_label(self.engine.head_version)
 
     @property
     def canary(self) -> Optional[CanaryBinding]:
@@ -230,7 +231,7 @@ class ReferenceBackend:
         if self._canary is not None and self._canary.version == version:
             return self._canary.binding
         prev = self._previous
-        if prev is not None and (PLAIN if prev.version is None else prev.version) == version:
+        if prev is not None and version_label(prev.version) == version:
             return prev
         return None
 
@@ -298,8 +299,7 @@ class ReferenceBackend:
                 "registry": str(self.registry.root) if self.registry is not None else None,
                 "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings,
                 "canary": self._canary.to_json() if self._canary is not None else None,
-                "previous_head": (None if (prev := self._previous) is None  # held prepared: a swap back is a flip
-                                  else PLAIN if prev.version is None else prev.version)}
+                "previous_head": None if self._previous is None else version_label(self._previous.version)}
 
 
 def _fits(engine: SpeculativeEngine, n_prompt: int, sampling) -> bool:
