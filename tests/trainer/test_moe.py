@@ -192,7 +192,7 @@ def test_growth_state_follows_low_domains_and_round_trips():
 def test_nearline_trainer_grows_one_expert_for_a_domain_that_stays_low(tmp_path):
     from adaptive_eagle.trace import TraceRecord, VerifyStep
     from feature_store.config import StoreConfig
-    from feature_store.writer import StoreWriter
+    from feature_store.writer import write_records
     from trainer.config import NearlineConfig
     from trainer.nearline import NearlineTrainer
 
@@ -201,17 +201,15 @@ def test_nearline_trainer_grows_one_expert_for_a_domain_that_stays_low(tmp_path)
     reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
     reg.set_champion("v1", expect="none")
     store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False, claim_idle_ms=3_600_000)
-    writer = StoreWriter(store)
-    g = torch.Generator().manual_seed(0)
+    records, g = [], torch.Generator().manual_seed(0)
     for i in range(16):  # tokens-only records (features regenerated); code served at accept length 1.0, english 4.0
         code = bool(i % 2)
         ids = (torch.randint(0, 8, (16,), generator=g) if code else torch.randint(16, 32, (16,), generator=g)).tolist()
         steps = tuple(VerifyStep(tree_size=4, accept_length=0 if code else 3, accepted_depth=0 if code else 3)
                       for _ in range(5))
-        writer.put(TraceRecord(f"r{i}", target.fingerprint, "v1", "reference", tuple(ids), (0,) * 6 + (1,) * 10,
-                               steps, domain="code" if code else "english"))
-    writer.flush()
-    writer.close()
+        records.append(TraceRecord(f"r{i}", target.fingerprint, "v1", "reference", tuple(ids), (0,) * 6 + (1,) * 10,
+                                   steps, domain="code" if code else "english"))
+    write_records(store, records)
     cfg = NearlineConfig(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store,
                          batch_tokens=256, min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0,
                          heldout_percent=20, candidate_every_tokens=400, min_candidate_tokens=100,
