@@ -53,6 +53,43 @@ class VerifyCost:
         return (1 - w) * self.points[a] + w * self.points[b]
 
 
+@dataclass(frozen=True)
+class PinnedCosts:
+    """Costs a cost-aware engine charges instead of the timings it would measure on the machine: its
+    drafting decisions (how much of each tree to verify, whether the head drafts at all) then depend on
+    acceptance alone, the same on any machine and under any load. For tests that assert on drafting,
+    paired benchmarks and replicas that must draft alike; a serving engine measures by default.
+
+    verify_ms: (tokens, ms) points of one target forward, interpolated like measured ones (VerifyCost).
+    overhead_ms: a step's time outside the verify forward (drafting, acceptance, cache upkeep)."""
+
+    verify_ms: tuple[tuple[int, float], ...]
+    overhead_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        points = tuple((int(q), float(ms)) for q, ms in self.verify_ms)
+        if not points:
+            raise ValueError("pinned_costs.verify_ms: give at least one (tokens, ms) point")
+        for q, ms in points:
+            if q < 1 or not (math.isfinite(ms) and ms > 0):
+                raise ValueError(f"pinned_costs.verify_ms: ({q}, {ms}) needs tokens >= 1 and a finite ms > 0")
+        if len({q for q, _ in points}) != len(points):
+            raise ValueError("pinned_costs.verify_ms: one point per token count")
+        if not (math.isfinite(self.overhead_ms) and self.overhead_ms >= 0):
+            raise ValueError(f"pinned_costs.overhead_ms: expected a finite value >= 0, got {self.overhead_ms}")
+        object.__setattr__(self, "verify_ms", points)
+
+    @classmethod
+    def flat(cls, ms: float = 1.0) -> "PinnedCosts":
+        """A forward costs the same at any size (as on a GPU far from saturation): every node with any
+        chance of acceptance is worth verifying, and the head always drafts."""
+        return cls(((1, ms), (1024, ms)), 0.0)
+
+    def verify_cost(self) -> VerifyCost:
+        """A cost table holding these points (the engine never feeds it observations)."""
+        return VerifyCost(dict(self.verify_ms))
+
+
 # draft path-probability buckets for acceptance calibration
 _EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 1.0 + 1e-9)
 CALIBRATION_FORMAT = 1

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from adaptive_eagle.binding import (CalibrationStore, HeadBinding, HeadRefused, SwapResult, make_binding)
-from adaptive_eagle.costmodel import VerifyCost, best_prefix, min_useful_prob
+from adaptive_eagle.costmodel import PinnedCosts, VerifyCost, best_prefix, min_useful_prob
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.drafting import HeadFeed, draft_tree
 from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
@@ -59,6 +59,9 @@ class EngineConfig:
     # verify only the part of each tree that pays for itself on this machine (costmodel.py): the
     # target's forward cost by size is measured when the engine starts and followed online
     cost_aware: bool = True
+    # charge these costs instead of timing this machine: drafting decisions that depend on acceptance
+    # alone, the same on any machine and under any load (tests, paired benchmarks); None: measure
+    pinned_costs: PinnedCosts | None = None
     # merge continuations of recently served outputs (cross-request suffix index, same tenant when
     # the index isolates tenants); the index is updated when a request finishes
     suffix_drafting: bool = True
@@ -71,6 +74,10 @@ class EngineConfig:
             raise ValueError("depth, topk and num_draft_tokens must be >= 1")
         if self.lookup_max_tokens < 0 or self.lookup_min_ngram < 1:
             raise ValueError("lookup_max_tokens must be >= 0 and lookup_min_ngram >= 1")
+        if isinstance(self.pinned_costs, dict):  # from a config file or a pydantic dump
+            object.__setattr__(self, "pinned_costs", PinnedCosts(**self.pinned_costs))
+        if self.pinned_costs is not None and not isinstance(self.pinned_costs, PinnedCosts):
+            raise ValueError(f"pinned_costs must be a PinnedCosts or None, not {type(self.pinned_costs).__name__}")
 
 
     @classmethod
@@ -142,8 +149,10 @@ class SpeculativeEngine:
         self.calibrations = CalibrationStore(None if root == "" else Path(root) if root else cache_dir() / "calibration")
         self.suffix_index = (suffix_index or SuffixIndex(SuffixIndexConfig())) if self.config.suffix_drafting else None
         self._cache_kw = _cache_kwarg(target.model)
-        self.verify_cost = VerifyCost()
-        self.overhead_ms = 0.0  # moving average of a step's time outside the verify forward (drafting, upkeep)
+        pinned = self.config.pinned_costs
+        self.verify_cost = pinned.verify_cost() if pinned is not None else VerifyCost()
+        # moving average of a step's time outside the verify forward (drafting, upkeep); fixed when pinned
+        self.overhead_ms = pinned.overhead_ms if pinned is not None else 0.0
         self.rate = float("nan")  # moving average of committed tokens per ms
         head, version, metrics = _unpack_head(head, head_version)
         try:
@@ -218,7 +227,8 @@ class SpeculativeEngine:
 
     def _needs_costs(self, binding: HeadBinding) -> bool:
         cfg = self.config
-        return cfg.cost_aware and (binding.head is not None or cfg.prompt_lookup or cfg.suffix_drafting)
+        return cfg.cost_aware and cfg.pinned_costs is None and (
+            binding.head is not None or cfg.prompt_lookup or cfg.suffix_drafting)
 
     # ---- inputs ---------------------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
@@ -287,12 +297,15 @@ class SpeculativeEngine:
                ) -> float:
         """Follow this machine's costs: the verify forward of q tokens; everything else in the step
         (drafting, acceptance, cache upkeep, feeding the head) as the step's fixed cost; the rate.
-        Returns the step's ms."""
-        now = self._clock()
-        forward, step = (t_done - t_verify) * 1e3, (now - t_step) * 1e3
-        self.verify_cost.observe(q, forward)
-        fixed = step - forward
-        self.overhead_ms = decay * self.overhead_ms + (1 - decay) * fixed if self.overhead_ms else fixed
+        Returns the step's ms. With pinned costs nothing is timed: the step is charged the pinned ones."""
+        if self.config.pinned_costs is not None:
+            step = self.verify_cost(q) + self.overhead_ms
+        else:
+            now = self._clock()
+            forward, step = (t_done - t_verify) * 1e3, (now - t_step) * 1e3
+            self.verify_cost.observe(q, forward)
+            fixed = step - forward
+            self.overhead_ms = decay * self.overhead_ms + (1 - decay) * fixed if self.overhead_ms else fixed
         rate = committed / max(1e-6, step)
         self.rate = rate if not math.isfinite(self.rate) else decay * self.rate + (1 - decay) * rate
         return step
@@ -480,7 +493,7 @@ class SpeculativeEngine:
             mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
             logits, aux, final = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
                                                       tree_position_ids(tree, root_pos), mask, need_aux, capture)
-            t_done = self._clock() if self.config.cost_aware else 0.0
+            t_done = self._clock() if self.config.cost_aware and self.config.pinned_costs is None else 0.0
             res = self._verify(tree, logits, sampling, generator)
             # accept: keep the accepted path in the target cache, feed it to the head
             self._account(binding, split, p, res)

@@ -25,9 +25,10 @@ def training_prompts(n: int, domains=("english",), max_chars: int = 1200) -> lis
 
 def run_calibrate_head(head_dir: Path, target: Target | str | None = None, n_prompts: int = 16,
                        max_tokens: int = 96, domains=("english",), log: Callable[[str], None] = print) -> dict:
-    """Decode `n_prompts` prompts with the head (cost-aware engine, greedy) and write the learned
+    """Decode `n_prompts` prompts with the head (cost-aware engine on flat pinned costs, greedy) and write the learned
     calibration into head.json; returns {"prompts", "observations", "accept_length_mean"}."""
     from adaptive_eagle import checkpoint as C
+    from adaptive_eagle.costmodel import PinnedCosts
     from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
     from adaptive_eagle.trace import SamplingParams
 
@@ -35,8 +36,11 @@ def run_calibrate_head(head_dir: Path, target: Target | str | None = None, n_pro
     if not isinstance(target, Target):
         target = load_target(target or C.HeadMeta.from_json((head_dir / C.META_FILE).read_text()).target_name)
     loaded = C.load_head(head_dir, target, device=target.device)
-    # start from the head's own probabilities, not from a cached or shipped calibration
-    engine = SpeculativeEngine(target, loaded.head, EngineConfig(calibration_dir=""), head_version=loaded.meta.version)
+    # start from the head's own probabilities, not from a cached or shipped calibration; flat pinned costs
+    # verify whole trees, so every probability bucket is observed (a machine's timings would prune the
+    # unlikely nodes away) and the calibration is the same on any machine, under any load
+    engine = SpeculativeEngine(target, loaded.head, EngineConfig(calibration_dir="", pinned_costs=PinnedCosts.flat()),
+                               head_version=loaded.meta.version)
     prompts = training_prompts(n_prompts, domains)
     accept = []
     for i, prompt in enumerate(prompts, 1):

@@ -11,7 +11,7 @@ from adaptive_eagle.costmodel import AcceptCalibration
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
 from adaptive_eagle.engine import EngineConfig, GenerationError, SpeculativeEngine
 from adaptive_eagle.trace import SamplingParams
-from tests.adaptive_eagle.test_engine import DEVICE, plain_greedy, tiny_setup
+from tests.adaptive_eagle.test_engine import DEVICE, PINNED, plain_greedy, tiny_setup
 
 FIXED = dict(depth=4, topk=3, num_draft_tokens=10, cost_aware=False, prompt_lookup=False, suffix_drafting=False,
              calibration_dir="")  # nothing persisted into the user's cache by tests
@@ -149,7 +149,8 @@ def test_swaps_from_another_thread_never_break_requests_in_flight():
 
 def test_calibration_is_persisted_and_reloaded_with_the_head(tmp_path):
     target, head = tiny_setup(seed=5)
-    cfg = EngineConfig(depth=3, topk=2, num_draft_tokens=6, calibration_dir=str(tmp_path))
+    # pinned costs: whether the head drafts (and so what gets observed) must not depend on this machine's load
+    cfg = EngineConfig(depth=3, topk=2, num_draft_tokens=6, calibration_dir=str(tmp_path), pinned_costs=PINNED)
     a = SpeculativeEngine(target, head, cfg, head_version="v7")
     assert a.binding.calibration_source == "prior"
     for k in range(3):

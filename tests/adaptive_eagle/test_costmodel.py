@@ -108,3 +108,20 @@ def test_draft_gate_skips_the_head_when_it_loses_and_keeps_probing_both_sides():
     for _ in range(10):
         gate.observe(False, tokens=4, ms=40.0)  # model-free drafts alone now do better: 0.1 tokens/ms
     assert not gate.allow(0.03)
+
+
+def test_pinned_costs_are_checked_and_interpolated_like_measured_ones():
+    import pytest
+
+    from adaptive_eagle.costmodel import PinnedCosts
+
+    pinned = PinnedCosts(verify_ms=[(1, 10), (17, 26.0)], overhead_ms=2)
+    assert pinned.verify_ms == ((1, 10.0), (17, 26.0))
+    assert pinned.verify_cost()(9) == 18.0 and pinned.verify_cost()(33) == 42.0
+    assert PinnedCosts.flat(5.0).verify_cost()(64) == 5.0
+    for bad, field in ((dict(verify_ms=()), "verify_ms"), (dict(verify_ms=((0, 1.0),)), "verify_ms"),
+                       (dict(verify_ms=((1, float("nan")),)), "verify_ms"), (dict(verify_ms=((1, 1.0), (1, 2.0))),
+                                                                            "verify_ms"),
+                       (dict(verify_ms=((1, 1.0),), overhead_ms=-1.0), "overhead_ms")):
+        with pytest.raises(ValueError, match=field):
+            PinnedCosts(**bad)

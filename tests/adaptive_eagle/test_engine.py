@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from adaptive_eagle.costmodel import PinnedCosts
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
 from adaptive_eagle.engine import EngineConfig, GenerationError, SpeculativeEngine
 from adaptive_eagle.targets import tiny_target
@@ -12,6 +13,10 @@ from adaptive_eagle.trace import SamplingParams
 
 
 DEVICE = os.environ.get("ADAPTIVE_EAGLE_TEST_DEVICE", "cpu")  # bench/gpu_check.sh sets cuda
+# Tests that assert on drafting (acceptance, observations, tree sizes) pin the cost-aware engine's costs:
+# measured timings make those decisions depend on the machine and its load (a loaded CPU drafts less).
+# A modest profile, so that pruning still happens: a 17-token verify costs 1.3x a one-token forward.
+PINNED = PinnedCosts(verify_ms=((1, 10.0), (17, 13.0), (64, 30.0)), overhead_ms=2.0)
 
 
 def tiny_setup(seed=0, vocab=32, dtype=torch.float64, draft_vocab=None):
@@ -58,7 +63,7 @@ def plain_greedy(target, prompt, n):
                                  EngineConfig(depth=4, topk=1, num_draft_tokens=4, cost_aware=False),
                                  EngineConfig(depth=4, topk=4, num_draft_tokens=12, cost_aware=False),
                                  EngineConfig(depth=6, topk=8, num_draft_tokens=40, cost_aware=False),
-                                 EngineConfig(depth=4, topk=4, num_draft_tokens=12)])
+                                 EngineConfig(depth=4, topk=4, num_draft_tokens=12, pinned_costs=PINNED)])
 def test_greedy_equals_plain_greedy(cfg):
     target, head = tiny_setup()
     engine = SpeculativeEngine(target, head, cfg)
@@ -206,10 +211,45 @@ def test_suffix_match_continuation():
 
 def test_cost_aware_engine_copying_from_context_is_lossless():
     target, head = tiny_setup(seed=4)
-    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=2, num_draft_tokens=8))
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=2, num_draft_tokens=8, pinned_costs=PINNED))
     engine.calibration.lookup_hits, engine.calibration.lookup_tries = [50.0] * 8, [50.0] * 8  # lookup is "sure"
     engine.eos_ids = set()
     prompt = [5, 6, 7, 8, 9] * 3
     got = engine.generate(prompt, SamplingParams(max_tokens=48))
     assert got.token_ids == plain_greedy(target, prompt, 48)
     assert any(s.tree_size > 0 for s in got.steps)
+
+
+def test_pinned_costs_make_drafting_independent_of_how_fast_the_target_runs():
+    """The same requests on a target slowed by 20 ms a forward (a loaded machine) draft the same trees and
+    accept the same tokens: with pinned costs nothing the engine decides depends on a clock. The engine
+    times nothing either (no verify-cost table is measured at start)."""
+    import functools
+    import time
+
+    def run(slow: bool):
+        target, head = tiny_setup(seed=6)
+        if slow:
+            forward = target.model.forward
+
+            @functools.wraps(forward)
+            def slowed(*args, **kwargs):
+                time.sleep(0.02)
+                return forward(*args, **kwargs)
+
+            target.model.forward = slowed
+        engine = SpeculativeEngine(target, head, EngineConfig(depth=4, topk=3, num_draft_tokens=10, pinned_costs=PINNED,
+                                                               calibration_dir=""))
+        engine.eos_ids = set()
+        assert engine.verify_cost.points == dict(PINNED.verify_ms)  # nothing measured
+        steps = [engine.generate(p, SamplingParams(max_tokens=20)).steps for p in ([3, 5, 7], [9, 9, 2, 4], [5] * 6)]
+        return steps, engine.binding.gate
+
+    fast, slow = run(False), run(True)
+    assert fast[0] == slow[0]
+    assert (fast[1].draft_rate, fast[1].plain_rate) == (slow[1].draft_rate, slow[1].plain_rate)
+    sizes = {s.tree_size for request in fast[0] for s in request}
+    assert len(sizes) > 1  # pruning and the gate were at work (trees of several sizes), not a fixed tree
+    with pytest.raises(ValueError, match="pinned_costs"):
+        EngineConfig(pinned_costs=[(1, 2.0)])
+    assert EngineConfig(pinned_costs={"verify_ms": [[1, 2.0]]}).pinned_costs == PinnedCosts(((1, 2.0),))

@@ -1,33 +1,46 @@
 """Pacing a hot swap's preparation: the work keeps to its share of a core, and a paced load is the same load."""
 
-import time
-
 import pytest
 import torch
 
 from adaptive_eagle.pacing import Pacer
 
 
-def busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+class SimulatedClock:
+    """A wall clock that moves only when work or a pause moves it: the pacer's arithmetic, checked exactly and
+    independently of how busy the machine running the test is. A pause may overshoot (as real sleeps do)."""
+
+    def __init__(self, overshoot_s: float = 0.0) -> None:
+        self.now, self.overshoot_s = 100.0, overshoot_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds + self.overshoot_s
 
 
 def test_a_pacer_keeps_work_to_its_share_of_the_wall_time():
-    pacer = Pacer(0.25)
-    t0 = time.perf_counter()
+    clock = SimulatedClock(overshoot_s=0.0005)
+    pacer = Pacer(0.25, clock=clock, sleep=clock.sleep)
+    t0 = clock()
     for _ in range(20):
-        busy(0.002)
+        clock.work(0.002)
         pacer.tick()
-    wall = time.perf_counter() - t0
-    assert pacer.worked_s == pytest.approx(0.04, rel=0.5)
-    assert pacer.worked_s / wall <= 0.3  # (sleeps overshoot, never undershoot)
-    assert pacer.paused_s == pytest.approx(3 * pacer.worked_s, rel=0.2)
-    unpaced = Pacer(1.0)
-    busy(0.002)
+    wall = clock() - t0
+    assert pacer.worked_s == pytest.approx(0.04)  # a pause's overshoot is not counted as work
+    assert pacer.paused_s == pytest.approx(3 * pacer.worked_s)  # 1 - share of the wall time, share 0.25
+    assert pacer.worked_s / wall <= 0.25
+    clock.work(1.0)  # a long unit (a preempted one) pauses at most max_pause_s
+    pacer.tick()
+    assert pacer.paused_s == pytest.approx(0.12 + pacer.max_pause_s)
+    unpaced = Pacer(1.0, clock=clock, sleep=clock.sleep)
+    clock.work(0.002)
     unpaced.tick()
-    assert unpaced.paused_s == 0.0
+    assert unpaced.paused_s == 0.0 and unpaced.worked_s == pytest.approx(0.002)
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="share"):
             Pacer(bad)

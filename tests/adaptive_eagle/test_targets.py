@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
+from adaptive_eagle.compute import choose_mode, mode_of
 from adaptive_eagle.targets import (
-    cpu_has_fast_bf16,
     default_aux_layer_ids,
     fingerprint_dir,
     from_sglang_config_layer_ids,
@@ -173,11 +173,14 @@ def test_load_local_directory_with_a_tokenizer(saved_dir):
 def test_smollm2_facts(smollm2):
     c = smollm2.config
     assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (30, 576, 49152)
-    if cpu_has_fast_bf16():
-        # decoding defaults to the fastest EXACT mode measured here (fp32 math), never bf16
-        assert smollm2.exact and smollm2.compute in ("float32", "float32+fp16-weights")
-    else:  # AVX2-class CPU: fp32 activations over fp16-packed weights (cpu_linear.py)
-        assert smollm2.dtype == torch.float32 and smollm2.compute == "float32+fp16-weights"
+    # decoding defaults to the fastest EXACT mode measured here (fp32 math), never bf16. Which exact mode is
+    # fastest is a timing of this machine under its current load: the test checks that the choice follows
+    # the measured table, not which mode won
+    assert smollm2.exact and smollm2.dtype == torch.float32
+    assert smollm2.compute in ("float32", "float32+fp16-weights")
+    choice = smollm2.compute_choice
+    if choice.table is not None:
+        assert mode_of(smollm2.compute) == choose_mode(choice.table)
     assert smollm2.aux_layer_ids == (2, 15, 27)
     assert sglang_config_layer_ids(smollm2.aux_layer_ids) == [1, 14, 26]
     assert smollm2.fingerprint.startswith("sha256:")

@@ -4,7 +4,6 @@ configured false-promotion rate (1 - confidence level), while a clearly better o
 
 from __future__ import annotations
 
-import time
 from dataclasses import FrozenInstanceError
 
 import numpy as np
@@ -142,16 +141,13 @@ def test_pairing_narrows_the_interval():
     assert width[0] < width[1]
 
 
-def test_gates_are_deterministic_and_fast():
+def test_gates_are_deterministic():
+    """The same evidence, the same decision (the bootstrap is seeded). How long a gate takes is not a test's
+    verdict: a loaded machine would fail it."""
     champion, candidate = paired(0.02, n=3000)
     cfg = small_config(bootstrap_resamples=2000)
-    elapsed = []
-    for _ in range(2):
-        t = time.perf_counter()
-        decisions = [offline_gate(champion, candidate, cfg), canary_gate(champion, candidate, cfg)]
-        elapsed.append((time.perf_counter() - t) / 2)
+    decisions = [offline_gate(champion, candidate, cfg), canary_gate(champion, candidate, cfg)]
     assert decisions == [offline_gate(champion, candidate, cfg), canary_gate(champion, candidate, cfg)]
-    assert min(elapsed) < 1.0, elapsed
 
 
 def test_decision_is_frozen_and_checks_its_action():
