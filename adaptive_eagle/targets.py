@@ -215,11 +215,27 @@ def fingerprint_dir(path: Path) -> str:
     return "sha256:" + h.hexdigest()[:32]
 
 
+def _fingerprint_stamp(path: Path) -> list:
+    return [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(Path(path).glob("*.safetensors"))]
+
+
+def peek_fingerprint(path: Path) -> str:
+    """The fingerprint of the model directory at `path`, from its current FINGERPRINT marker or hashed now;
+    writes nothing (for read-only checks)."""
+    try:
+        saved = json.loads((Path(path) / "FINGERPRINT").read_text())
+        if saved.get("scheme") == FINGERPRINT_SCHEME and saved.get("stamp") == _fingerprint_stamp(path):
+            return saved["fingerprint"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    return fingerprint_dir(path)
+
+
 def cached_fingerprint(path: Path) -> str:
     """fingerprint_dir, memoised in <path>/FINGERPRINT (JSON with the scheme; recomputed when the
     scheme or the weights' sizes/mtimes changed)."""
     marker = Path(path) / "FINGERPRINT"
-    stamp = [[p.name, p.stat().st_size, int(p.stat().st_mtime)] for p in sorted(Path(path).glob("*.safetensors"))]
+    stamp = _fingerprint_stamp(path)
     try:
         saved = json.loads(marker.read_text())
         if saved.get("scheme") == FINGERPRINT_SCHEME and saved.get("stamp") == stamp:

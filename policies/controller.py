@@ -40,6 +40,19 @@ log = logging.getLogger(__name__)
 State = Literal["idle", "offline_gate", "canary", "watching"]
 
 
+
+def stale_evidence(replay_champion: Sequence[RequestSample], champion: str) -> str | None:
+    """Why replay evidence cannot be judged against `champion` (it was measured against another head), or None.
+    A gate never compares a candidate with a champion it was not replayed against: after a promotion, a
+    candidate replayed against the old champion is rejected, and the trainer's next one is replayed against
+    the new champion."""
+    against = {s.head_version for s in replay_champion}
+    if not against or against == {champion}:
+        return None
+    return (f"stale evidence: the candidate was replayed against {', '.join(sorted(against))}, but the champion is "
+            f"now {champion}; a gate never judges a comparison with another champion (the next candidate is "
+            f"replayed against {champion})")
+
 class Registry(Protocol):
     """What the controller needs of ``adaptive_eagle.registry.HeadRegistry``."""
 
@@ -171,6 +184,10 @@ class PolicyController:
                                                                    "replayed records")
             if refusal is not None:
                 return refusal
+            stale = stale_evidence(replay_champion, champion)
+            if stale is not None:
+                self.plog.record("rejected", candidate=candidate, champion=champion, action=REJECT, reason=stale)
+                return Decision(REJECT, stale)
             self._to("offline_gate", f"considering {candidate}")
             if champion == PLAIN and not replay_champion:
                 replay_champion = plain_replay(replay_candidate)

@@ -21,6 +21,9 @@ def up(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="stack config (YAML); see --print-config"),
     port: Optional[int] = typer.Option(None, help="gateway port (overrides serving.port; 0: any free port)"),
     print_config: bool = typer.Option(False, "--print-config", help="print the default config as YAML and exit"),
+    check: bool = typer.Option(False, "--check", help="check the config (each section, and whether every stage of "
+                               "the loop can work with them together), print what is wrong, start nothing; exit 0 "
+                               "when it can run, 2 when not"),
 ) -> None:
     """Start the whole loop: Ray, the feature store, server replicas, near-line training, the promotion
     policy and the OpenAI-compatible gateway. Ctrl-C (or SIGTERM) stops all of it."""
@@ -38,7 +41,23 @@ def up(
     except StackConfigError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
+    if check:
+        check_config(cfg, str(config) if config else "the defaults")
+        return
     run_until_signal(cfg)
+
+
+def check_config(cfg, source: str) -> None:
+    """`up --check`: every problem on a line of its own (the fields involved, what to change), then notes."""
+    from serving.stack_check import check_stack
+
+    result = check_stack(cfg)
+    for line in result.lines():
+        typer.echo(line, err=not result.ok)
+    if not result.ok:
+        typer.secho(f"{source}: {len(result.problems)} problem(s); the stack would not start", fg="red", err=True)
+        raise typer.Exit(2)
+    typer.secho(f"{source}: ok, every stage of the loop can run", fg="green")
 
 
 def run_until_signal(cfg) -> None:

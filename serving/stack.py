@@ -1,6 +1,7 @@
 """LocalStack: the whole loop from one StackConfig — what `adaptive-eagle up` runs.
 
-Owns: the order of starting and stopping, as named steps: state dir and registry → admin token →
+Owns: the order of starting and stopping, as named steps: the config check (stack_check.py, nothing starts
+when a stage could not work) → state dir and registry → admin token →
 store → Ray → server replicas (ServerActors) → gateway (uvicorn) → load signal → trainer
 (TrainerActor) → policy (PolicyActor + CandidateFeed); stop runs them backwards. Also `StackInfo`,
 where everything is. Must not touch: what each part does (serving, trainer, policies own that).
@@ -87,6 +88,13 @@ class LocalStack:
 
     # ---- start ------------------------------------------------------------------------------------
     def start(self) -> StackInfo:
+        from serving.stack_check import check_stack
+
+        # before anything starts: a stage that cannot work is refused
+        check = check_stack(self.config, serving_target=self.target_builder is None)
+        check.raise_if_bad()
+        for note in check.notes:
+            self.echo(f"config check: {note}")
         try:
             for step in (self._state, self._admin_token, self._store, self._ray, self._replicas, self._gateway,
                          self._load_signal, self._trainer, self._policy):

@@ -199,10 +199,18 @@ class StackConfig(_Section):
                                                **update})
 
     def nearline_config(self) -> NearlineConfig:
-        # a candidate is worth writing once the policy's offline gate has enough records to judge it
+        """The trainer's config. Unless the trainer section sets them: a candidate is written once the policy's
+        offline gate has enough held-out records to judge it (min_samples), and the held-out pool keeps at
+        least that many records of a domain (a single-domain workload must be able to reach it) and at least
+        the gate's per-domain minimum."""
         return self.trainer.nearline(str(self.registry_path), str(self.state_path / "trainer"), self.store_config,
-                                     self.serving.target,
-                                     defaults={"min_candidate_heldout": self.policy.gates().min_samples})
+                                     self.serving.target, defaults=self.trainer_defaults())
+
+    def trainer_defaults(self) -> dict[str, int]:
+        """The trainer fields the stack derives from the policy (the trainer section's own values win)."""
+        gates = self.policy.gates()
+        pool = max(NearlineConfig.model_fields["heldout_per_domain"].default, gates.min_samples)
+        return {"min_candidate_heldout": gates.min_samples, "heldout_per_domain": pool}
 
 
 # ---- reading, errors, defaults ------------------------------------------------------------------------

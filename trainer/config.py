@@ -40,7 +40,8 @@ class NearlineConfig(BaseModel):
     max_passes: float = Field(4.0, ge=1, le=100, description="while no new traffic comes, keep training on the "
                               "buffer until trained tokens reach this many times the tokens received")
     heldout_percent: int = Field(10, ge=1, le=50, description="records held out (by request id) for acceptance replay")
-    heldout_per_domain: int = Field(48, ge=4, description="most recent held-out records kept per domain")
+    heldout_per_domain: int = Field(48, ge=4, description="most recent held-out records kept per domain (at least "
+                                    "min_candidate_heldout; a stack keeps max(48, policy.min_samples))")
 
     # optimisation (trainer.step)
     lr: float = Field(2e-4, gt=0, le=1.0, description="AdamW learning rate after warmup (constant: traffic never "
@@ -92,6 +93,13 @@ class NearlineConfig(BaseModel):
     read_batch: int = Field(64, ge=1, le=4096, description="records per store read")
     poll_ms: int = Field(200, ge=0, le=60_000, description="block this long on the store when idle")
     device: str = Field("auto", description="'auto' (CUDA when present), 'cpu', 'cuda', 'cuda:1', ...")
+    store_backoff_initial_s: float = Field(0.5, gt=0, le=60, description="after a store error (StoreUnavailable) "
+                                           "the loop waits this long before trying again, doubling with each "
+                                           "error in a row (the status says degraded meanwhile)")
+    store_backoff_max_s: float = Field(30.0, gt=0, le=3600, description="... up to this long between tries")
+    store_max_errors: int = Field(60, ge=1, le=100_000, description="store errors in a row the loop rides out; "
+                                  "one more ends the loop with an error (the actor then ends its process and Ray "
+                                  "restarts it with a fresh connection). 60 at the default backoff: ~28 minutes")
     seed: int = 0
 
     # scale-out (trainer/scaleout.py)
@@ -104,6 +112,12 @@ class NearlineConfig(BaseModel):
     def _check(self) -> "NearlineConfig":
         if self.min_candidate_tokens > self.candidate_every_tokens:
             raise ValueError("min_candidate_tokens must be <= candidate_every_tokens")
+        if self.min_candidate_heldout > self.heldout_per_domain:
+            raise ValueError(f"heldout_per_domain: keeps {self.heldout_per_domain} held-out records per domain, fewer "
+                             f"than min_candidate_heldout ({self.min_candidate_heldout}): traffic of one domain could "
+                             f"never score a candidate. Set heldout_per_domain >= {self.min_candidate_heldout}")
+        if self.store_backoff_max_s < self.store_backoff_initial_s:
+            raise ValueError("store_backoff_max_s must be >= store_backoff_initial_s")
         if self.workers > 1 and self.moe_grow:
             raise ValueError("moe_grow needs workers 1: growing an expert changes the head's parameters mid-run, "
                              "which a data-parallel worker group cannot follow")

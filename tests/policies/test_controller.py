@@ -306,3 +306,21 @@ def test_policies_never_import_torch_or_the_trainer():
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_evidence_replayed_against_an_earlier_champion_is_never_judged(world):
+    """v3's replay was measured against v1; v2 was promoted meanwhile: v3 is rejected as stale (even though its
+    numbers would pass) and the log says against which champion it was replayed."""
+    w = world
+    stale_champion, v3 = replay(0.0, 0.4, candidate="v3")  # against v1
+    promote_v2(w)
+    w.traffic.serve(300)
+    w.ctrl.tick()  # the watch ends: idle again, v2 champion
+    assert w.ctrl.state == "idle" and w.reg.champion() == "v2"
+    decision = w.ctrl.consider("v3", stale_champion, v3)
+    assert decision.action == REJECT and "stale evidence" in decision.reason and "v1" in decision.reason
+    last = w.plog.read().events[-1]
+    assert last.event == "rejected" and last.candidate == "v3" and "replayed against v1" in last.reason
+    assert w.ctrl.state == "idle" and w.fleet.canary is None  # nothing started
+    fresh = replay(0.0, 0.4, champion="v2", candidate="v3")  # replayed against the champion of now
+    assert w.ctrl.consider("v3", *fresh).action == PROMOTE

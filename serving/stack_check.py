@@ -1,0 +1,188 @@
+"""Is a stack config able to do its job? Every start path (`adaptive-eagle up`, the demo, a cluster's head
+node) runs `check_stack` before starting anything, and `adaptive-eagle up --check --config FILE` prints it.
+
+Owns: the rules that tie the sections to each other — settings that each pass their own range checks
+but together leave a stage of the loop unreachable (no candidate can ever be written, the canary or the
+rollback watch can never decide) or unsafe (a domain's regression is never checked, a seed head trained
+for another target, paths that other nodes cannot read). Each problem names every field involved and what
+to change. Must not touch: starting anything, writing anything (a check creates no state: a target's
+fingerprint is read from its marker or hashed without writing one).
+
+Derived values are checked as the stack will use them (StackConfig.nearline_config()), so a default that
+the stack fills in is held to the same rules as a value written in the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from serving.stack_config import StackConfig, StackConfigError
+
+
+@dataclass(frozen=True)
+class Problem:
+    fields: tuple[str, ...]  # dotted names of every setting involved, e.g. ("trainer.heldout_per_domain", ...)
+    message: str  # what goes wrong and what to change
+
+    def line(self) -> str:
+        return f"{' + '.join(self.fields)}: {self.message}"
+
+
+@dataclass(frozen=True)
+class StackCheck:
+    problems: tuple[Problem, ...] = ()
+    notes: tuple[str, ...] = ()  # what could not be checked on this machine, and why
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        return [p.line() for p in self.problems] + [f"note: {n}" for n in self.notes]
+
+    def raise_if_bad(self, source: str = "config") -> None:
+        """StackConfigError listing every problem (one per line), or nothing."""
+        if self.problems:
+            raise StackConfigError(f"{source}: the stack cannot do its job with these settings:\n"
+                                   + "\n".join("  " + p.line() for p in self.problems))
+
+
+def check_stack(cfg: StackConfig, serving_target: bool = True) -> StackCheck:
+    """Every cross-section problem of `cfg` (an empty `problems` tuple: the loop can run). serving_target=False:
+    the stack builds its target some other way (a test's target builder), so the seed head is not held to
+    serving.target."""
+    problems: list[Problem] = []
+    notes: list[str] = []
+    for rule in (_candidates, _live_minimums, _cluster_paths):
+        rule(cfg, problems, notes)
+    if serving_target:
+        _seed_head(cfg, problems, notes)
+    return StackCheck(tuple(problems), tuple(notes))
+
+
+# ---- the rules -------------------------------------------------------------------------------------
+def _candidates(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
+    """The trainer writes a candidate only once its held-out pool can score it, and the offline gate judges
+    it only on at least policy.min_samples replayed records: both must be reachable."""
+    if not cfg.trainer.enabled:
+        return
+    gates, own = cfg.policy.gates(), cfg.trainer.inner_fields()
+    values = {**cfg.trainer_defaults(), **own}
+    pool, need = values["heldout_per_domain"], values["min_candidate_heldout"]
+    need_field = "trainer.min_candidate_heldout" if "min_candidate_heldout" in own else "policy.min_samples"
+    if pool < need:
+        problems.append(Problem(("trainer.heldout_per_domain", need_field), (
+            f"the held-out pool keeps {pool} records per domain, but a candidate is written only once {need} can "
+            f"score it: traffic of one domain could never produce one. Raise trainer.heldout_per_domain to "
+            f">= {need} (or remove it: the stack keeps max(48, policy.min_samples))")))
+        return
+    try:
+        nl = cfg.nearline_config()
+    except ValidationError as e:
+        for err in e.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(Problem(tuple(f"trainer.{p}" for p in err["loc"]) or ("trainer",), msg))
+        return
+    if not cfg.policy.enabled:
+        return
+    if nl.heldout_per_domain < gates.min_samples:
+        problems.append(Problem(("trainer.heldout_per_domain", "policy.min_samples"), (
+            f"the held-out pool keeps {nl.heldout_per_domain} records per domain, but the offline gate needs "
+            f"{gates.min_samples} replayed records per head: traffic of one domain could never get a candidate "
+            f"judged. Raise trainer.heldout_per_domain to >= {gates.min_samples} (or remove it: the stack keeps "
+            "max(48, policy.min_samples))")))
+    elif nl.min_candidate_heldout < gates.min_samples:
+        notes.append(f"trainer.min_candidate_heldout ({nl.min_candidate_heldout}) < policy.min_samples "
+                     f"({gates.min_samples}): candidates written before {gates.min_samples} held-out records "
+                     "exist are rejected for lack of data (later ones are judged)")
+    if gates.min_domain_samples > nl.heldout_per_domain:
+        problems.append(Problem(("policy.min_domain_samples", "trainer.heldout_per_domain"), (
+            f"the held-out pool keeps {nl.heldout_per_domain} records per domain, fewer than the "
+            f"{gates.min_domain_samples} the gate needs to check a domain for regression: no domain would ever be "
+            f"checked. Raise trainer.heldout_per_domain to >= {gates.min_domain_samples} or lower "
+            "policy.min_domain_samples")))
+
+
+def _live_minimums(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
+    """The canary and the rollback watch decide on live samples the gateway keeps per head."""
+    if not cfg.policy.enabled:
+        return
+    gates, kept = cfg.policy.gates(), cfg.serving.live_samples_max
+    for name, need in (("policy.canary_min_requests", gates.canary_min_requests),
+                       ("policy.rollback_window", gates.rollback_window)):
+        if need > kept:
+            problems.append(Problem((name, "serving.live_samples_max"), (
+                f"needs {need} live requests of a head, but the gateway keeps only the last {kept} per head: it "
+                f"could never decide. Raise serving.live_samples_max to >= {need} or lower {name}")))
+
+
+def _cluster_paths(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
+    """On a cluster, replicas on other nodes load heads from the registry path and write captures to the
+    store: a path under the head node's home or cache, or a local store, reaches none of them."""
+    if cfg.ray.address is None or not cfg.ray.replicas_as_actors:
+        return
+    if cfg.store.backend == "local":
+        problems.append(Problem(("ray.address", "store.backend"), (
+            "replicas on other nodes cannot write to a local store on the head node: use store.backend 'redis' "
+            "on a cluster")))
+    registry = str(cfg.registry_path)
+    if registry.startswith(str(Path("~").expanduser())) or "/.cache/" in registry:
+        problems.append(Problem(("ray.address", "registry.path"), (
+            f"the registry {registry} lies in the head node's home directory, which replicas on other nodes do "
+            "not see: set registry.path (or state_dir) to a filesystem every node mounts, e.g. /mnt/efs/...")))
+
+
+def _seed_head(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
+    """A seed head drafts only for the target it was trained on (same weights: same fingerprint)."""
+    seed = cfg.registry.seed_head
+    if not seed:
+        return
+    meta_path = Path(seed).expanduser() / "head.json"
+    if not meta_path.is_file():
+        if Path(seed).expanduser().exists() or cfg.ray.address is None:
+            problems.append(Problem(("registry.seed_head",), f"{seed}: no head.json (not a head version directory)"))
+        else:
+            notes.append(f"registry.seed_head {seed} is not on this machine; its target was not checked")
+        return
+    try:
+        meta = json.loads(meta_path.read_text())
+        want = str(meta["target_fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(Problem(("registry.seed_head",), f"{meta_path}: unreadable head.json ({e})"))
+        return
+    got, where = target_fingerprint(cfg.serving.target)
+    if got is None:
+        notes.append(f"serving.target {cfg.serving.target}: {where}; the seed head's target was not checked")
+        return
+    if got != want:
+        problems.append(Problem(("registry.seed_head", "serving.target"), (
+            f"the seed head {meta.get('version', seed)} was trained for target {meta.get('target_name', '?')} "
+            f"({want}), but serving.target {cfg.serving.target} is {got}: its drafts would be refused. Serve the "
+            "target the head was trained on (the directory `adaptive-eagle target-info` prints for a built-in "
+            "target, copied as it is) or seed a head trained for this one")))
+
+
+def target_fingerprint(name_or_path: str) -> tuple[str | None, str]:
+    """(fingerprint, where) of a target, without writing anything: a built-in target counts only once it has
+    been materialised in the cache; a directory's fingerprint marker is read if current, else hashed."""
+    from adaptive_eagle import targets as T
+
+    if name_or_path in T.BUILTIN_TARGETS:
+        path = T.cache_dir() / "targets" / name_or_path
+        if not (path / "config.json").exists():
+            return None, "a built-in target not materialised on this machine yet"
+    else:
+        path = Path(name_or_path).expanduser()
+        if not (path / "config.json").exists():
+            return None, "no model directory on this machine"
+    try:
+        return T.peek_fingerprint(path), str(path)
+    except (OSError, ValueError) as e:
+        return None, f"unreadable ({e})"
+
+
+__all__ = ["Problem", "StackCheck", "check_stack", "target_fingerprint"]

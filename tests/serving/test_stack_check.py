@@ -1,0 +1,195 @@
+"""The stack's consistency check (serving/stack_check.py): every shipped config passes it, each rule refuses
+what would leave a stage unreachable or unsafe and names every field involved, `up --check` prints it, a
+stack refuses to start on it, and under the stack's own defaults the trainer really writes a candidate the
+offline gate can judge."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from adaptive_eagle.checkpoint import HeadMeta
+from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
+from adaptive_eagle.registry import HeadRegistry
+from adaptive_eagle.trace import SamplingParams
+from serving.stack_check import check_stack
+from serving.stack_config import StackConfigError, load_stack_config, parse_stack_config
+
+REPO = Path(__file__).resolve().parents[2]
+SECRETS = {"AE_ADMIN_TOKEN": "t", "AE_API_KEY": "k", "AE_REDIS_PASSWORD": "p"}
+
+
+def shipped_configs(tmp_path, monkeypatch):
+    """Every stack config this repository ships: the defaults, each YAML under ops/ that is a stack config, and
+    the demo's (quick and full)."""
+    from adaptive_eagle_cli.demo.config import DemoConfig, demo_stack_config
+
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    out = {"defaults": parse_stack_config({}),
+           "demo --quick": demo_stack_config(DemoConfig.make(quick=True), str(tmp_path / "q")),
+           "demo": demo_stack_config(DemoConfig.make(), str(tmp_path / "f"))}
+    for path in sorted((REPO / "ops").glob("*.yaml")):
+        if path.name != "cluster.yaml":  # ray up's own file, not a stack config
+            out[path.name] = load_stack_config(path)
+    return out
+
+
+def test_every_shipped_config_passes_the_check(tmp_path, monkeypatch):
+    configs = shipped_configs(tmp_path, monkeypatch)
+    assert {"defaults", "demo", "demo --quick", "prod.yaml"} <= set(configs)
+    for name, cfg in configs.items():
+        result = check_stack(cfg)
+        assert result.ok, (name, result.lines())
+    prod = configs["prod.yaml"].nearline_config()
+    gates = configs["prod.yaml"].policy.gates()
+    # the held-out pool can reach the gate's minimum with traffic of a single domain
+    assert prod.heldout_per_domain >= prod.min_candidate_heldout == gates.min_samples == 400
+
+
+@pytest.mark.parametrize("sections, fields", [
+    ({"trainer": {"heldout_per_domain": 100}}, ("trainer.heldout_per_domain", "policy.min_samples")),
+    ({"trainer": {"heldout_per_domain": 300}, "policy": {"min_samples": 200, "min_domain_samples": 200,
+                                                        "canary_min_requests": 500}},
+     None),  # all reachable
+    ({"trainer": {"heldout_per_domain": 250}, "policy": {"min_samples": 240, "min_domain_samples": 240}}, None),
+    ({"policy": {"canary_min_requests": 30_000}}, ("policy.canary_min_requests", "serving.live_samples_max")),
+    ({"policy": {"rollback_window": 500}, "serving": {"live_samples_max": 400}},
+     ("policy.rollback_window", "serving.live_samples_max")),
+    ({"ray": {"address": "auto"}, "store": {"backend": "redis"}, "state_dir": "~/.cache/adaptive-eagle/stack"},
+     ("ray.address", "registry.path")),
+    ({"ray": {"address": "auto"}, "registry": {"path": "/mnt/shared/reg"}}, ("ray.address", "store.backend")),
+])
+def test_each_rule_names_every_field_involved(tmp_path, sections, fields):
+    cfg = parse_stack_config({"state_dir": str(tmp_path), **sections})
+    result = check_stack(cfg)
+    if fields is None:
+        assert result.ok, result.lines()
+        return
+    assert not result.ok
+    assert any(p.fields == fields for p in result.problems), result.lines()
+    line = next(p.line() for p in result.problems if p.fields == fields)
+    assert all(f in line for f in fields), line
+
+
+def test_the_domain_guard_must_be_reachable(tmp_path):
+    cfg = parse_stack_config({"state_dir": str(tmp_path), "trainer": {"heldout_per_domain": 260},
+                              "policy": {"min_samples": 250, "min_domain_samples": 250}})
+    assert check_stack(cfg).ok
+    low = parse_stack_config({"state_dir": str(tmp_path), "trainer": {"heldout_per_domain": 60,
+                                                                       "min_candidate_heldout": 20},
+                              "policy": {"min_samples": 50, "min_domain_samples": 50, "enabled": True}})
+    fields = {p.fields for p in check_stack(low).problems}
+    assert ("policy.min_domain_samples", "trainer.heldout_per_domain") not in fields  # 50 <= 60: reachable
+    worse = parse_stack_config({"state_dir": str(tmp_path), "trainer": {"heldout_per_domain": 40,
+                                                                         "min_candidate_heldout": 20},
+                                "policy": {"min_samples": 20, "min_domain_samples": 20}})
+    assert check_stack(worse).ok
+    with pytest.raises(StackConfigError, match="heldout_per_domain"):  # the trainer's own rule, at parse time
+        parse_stack_config({"trainer": {"heldout_per_domain": 10, "min_candidate_heldout": 20}})
+
+
+def test_a_seed_head_for_another_target_is_refused(tmp_path):
+    from adaptive_eagle.targets import tiny_target
+
+    model_dir = tmp_path / "tiny-model"
+    tiny_target(seed=3).model.save_pretrained(model_dir)
+    shipped = REPO / "heads" / "smollm2-135m-english-v2"
+    cfg = parse_stack_config({"state_dir": str(tmp_path / "s"), "registry": {"seed_head": str(shipped)},
+                              "serving": {"target": str(model_dir)}})
+    result = check_stack(cfg)
+    (problem,) = result.problems
+    assert problem.fields == ("registry.seed_head", "serving.target") and "smollm2-135m" in problem.message
+    assert not (model_dir / "FINGERPRINT").exists()  # a check writes nothing
+    assert check_stack(cfg, serving_target=False).ok  # a stack whose target comes from a builder
+    missing = parse_stack_config({"state_dir": str(tmp_path / "s"), "registry": {"seed_head": str(tmp_path / "no")}})
+    assert [p.fields for p in check_stack(missing).problems] == [("registry.seed_head",)]
+
+
+def test_up_check_prints_the_problems_and_starts_nothing(tmp_path):
+    from adaptive_eagle_cli import app
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"state_dir: {tmp_path / 'state'}\ntrainer:\n  heldout_per_domain: 100\n")
+    res = CliRunner().invoke(app, ["up", "--check", "--config", str(bad)])
+    assert res.exit_code == 2, res.output
+    assert "trainer.heldout_per_domain + policy.min_samples" in res.output and "would not start" in res.output
+    assert not (tmp_path / "state").exists()  # read-only: nothing created
+    good = tmp_path / "good.yaml"
+    good.write_text(f"state_dir: {tmp_path / 'state'}\n")
+    res = CliRunner().invoke(app, ["up", "--check", "--config", str(good)])
+    assert res.exit_code == 0 and "ok" in res.output and not (tmp_path / "state").exists()
+
+
+def test_a_stack_refuses_to_start_before_creating_anything(tmp_path):
+    from serving.stack import LocalStack
+
+    cfg = parse_stack_config({"state_dir": str(tmp_path / "state"), "trainer": {"heldout_per_domain": 100}})
+    with pytest.raises(StackConfigError, match="cannot do its job"):
+        LocalStack(cfg).start()
+    assert not (tmp_path / "state").exists()
+
+
+def test_under_the_stack_defaults_the_trainer_itself_writes_a_candidate_the_gate_can_judge(tmp_path):
+    """The default proportions (heldout_percent 10, the held-out pool and the candidate minimum derived from the
+    policy's min_samples) at the policy's smallest min_samples (20), with the trainer's cadence scaled to a test's
+    minute. The trainer's own loop writes the candidate; the offline gate then decides on it (a promotion or a
+    rejection, never 'needs more data')."""
+    from feature_store.writer import write_records
+    from policies.gates import CONTINUE, offline_gate
+    from serving.candidates import replay_samples
+    from tests.adaptive_eagle.test_engine import tiny_setup
+    from trainer.nearline import NearlineTrainer, is_heldout
+
+    target, head = tiny_setup(seed=11, dtype=torch.float32)
+    cfg = parse_stack_config({
+        "state_dir": str(tmp_path), "store": {"fsync": False},
+        "trainer": {"device": "cpu", "batch_tokens": 256, "min_fresh_tokens": 32, "candidate_every_tokens": 2000,
+                    "min_candidate_tokens": 500, "checkpoint_every_s": 5, "poll_ms": 20, "tree_depth": 3,
+                    "tree_topk": 2, "tree_draft_tokens": 6},
+        "policy": {"min_samples": 20, "min_domain_samples": 5}})
+    nl = cfg.nearline_config()
+    assert (nl.heldout_percent, nl.min_candidate_heldout) == (10, 20) and nl.heldout_per_domain >= 20
+    assert check_stack(cfg).ok
+    reg = HeadRegistry.create(cfg.registry_path)
+    reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
+    reg.set_champion("v1", expect="none")
+    engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False, calibration_dir=""), head_version="v1")
+    engine.eos_ids = set()
+    g = torch.Generator().manual_seed(0)
+    base = []
+    for i in range(16):
+        prompt = torch.randint(0, 32, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+        base.append(engine.generate(prompt, SamplingParams(max_tokens=20), capture=True).trace)
+    # traffic: the same 16 answers under many request ids, until 10% of ids give the gate its 20 records
+    records, held = [], 0
+    for i in range(10_000):
+        rid = f"req-{i}"
+        held += is_heldout(rid, nl.heldout_percent)
+        records.append(base[i % len(base)].__class__(**{**base[i % len(base)].__dict__, "request_id": rid}))
+        if held >= 24:
+            break
+    write_records(cfg.store_config, records)
+    trainer = NearlineTrainer(nl, target=target)
+    stop = threading.Event()
+    thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not [v for v in reg.versions() if v.version != "v1"]:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        thread.join(60)
+    candidates = [v for v in reg.versions() if v.version != "v1"]
+    assert candidates, trainer.status().to_dict()
+    cand = candidates[0]
+    assert cand.training["trainer"] == "nearline" and cand.metrics["replay"]["records"] >= 20
+    champion, samples = replay_samples(cand.metrics, cand.version)
+    decision = offline_gate(champion, samples, cfg.policy.gates())
+    assert decision.action != CONTINUE, decision.reason  # enough evidence: a real decision
+    assert json.dumps(decision.evidence, default=str)
