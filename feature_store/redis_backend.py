@@ -39,12 +39,14 @@ def _client(cfg: StoreConfig) -> redis.Redis:
         kw["username"] = cfg.redis_username
     if cfg.redis_password is not None:
         kw["password"] = cfg.redis_password.get_secret_value()
-    if cfg.tls or cfg.redis_url.startswith("rediss://"):
-        kw.update(ssl=True, ssl_ca_certs=cfg.tls_ca_file, ssl_certfile=cfg.tls_cert_file,
-                  ssl_keyfile=cfg.tls_key_file, ssl_cert_reqs="required" if cfg.tls_verify else "none")
-        if not cfg.tls_verify:
-            kw["ssl_check_hostname"] = False
-    return redis.Redis.from_url(cfg.redis_url, **kw)
+    url = cfg.redis_url
+    if cfg.tls or url.startswith("rediss://"):
+        # the URL's scheme picks the TLS connection class (an `ssl=True` keyword would reach the connection's
+        # constructor and fail); the server's certificate and host name are checked unless tls_verify is off
+        url = "rediss://" + url.removeprefix("redis://").removeprefix("rediss://")
+        kw.update(ssl_ca_certs=cfg.tls_ca_file, ssl_certfile=cfg.tls_cert_file, ssl_keyfile=cfg.tls_key_file,
+                  ssl_cert_reqs="required" if cfg.tls_verify else "none", ssl_check_hostname=cfg.tls_verify)
+    return redis.Redis.from_url(url, **kw)
 
 
 def _ms(entry_id: str) -> int:
