@@ -174,6 +174,7 @@ class LocalStack:
 
         c = self.config
         options = {"num_cpus": c.ray.replica_num_cpus, "num_gpus": c.ray.replica_num_gpus,
+                   "max_restarts": c.ray.replica_max_restarts, "max_task_retries": 0,  # a stream is never replayed
                    **({"resources": dict(c.ray.replica_resources)} if c.ray.replica_resources else {})}
         self.replicas = build_replicas(self.serving, ray_actors=c.ray.replicas_as_actors,
                                        target_builder=self.target_builder, actor_options=options)

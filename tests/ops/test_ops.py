@@ -30,16 +30,39 @@ def test_prod_yaml_is_a_valid_stack_config_with_secrets_from_the_environment(mon
     from serving.stack_config import StackConfigError, load_stack_config
 
     with pytest.raises(StackConfigError, match="AE_"):  # nothing inline: without the variables it refuses
-        for name in ("AE_ADMIN_TOKEN", "AE_API_KEY", "AE_REDIS_PASSWORD"):
+        for name in ("AE_ADMIN_TOKEN", "AE_API_KEY", "AE_REDIS_PASSWORD", "AE_REDIS_HOST"):
             monkeypatch.delenv(name, raising=False)
         load_stack_config(OPS / "prod.yaml")
     for name in ("AE_ADMIN_TOKEN", "AE_API_KEY", "AE_REDIS_PASSWORD"):
         monkeypatch.setenv(name, f"test-{name.lower()}")
+    monkeypatch.setenv("AE_REDIS_HOST", "10.0.0.5")
     cfg = load_stack_config(OPS / "prod.yaml")
+    assert cfg.store.redis_url == "rediss://10.0.0.5:6380/0"  # the address the certificate names
     assert cfg.store.backend == "redis" and cfg.store.tls and cfg.store.redis_url.startswith("rediss://")
     assert cfg.store.redis_password.get_secret_value() == "test-ae_redis_password"
     assert cfg.serving.backend == "sglang" and cfg.serving.admin_token is not None and cfg.ray.replica_num_gpus == 1
     assert cfg.trainer.resources == {"ae_head": 1} and cfg.nearline_config().device == "cuda"
+
+
+def test_cluster_nodes_run_python_3_11_and_a_second_ray_up_replaces_the_stack():
+    """The package needs Python >= 3.11 (the image has 3.10): every node builds a 3.11 venv, and every ray and
+    adaptive-eagle command runs from it. Re-running `ray up` stops the running stack (SIGTERM, then waits for it)
+    before starting another, and checks the config before starting it."""
+    import tomllib
+
+    cluster = yaml.safe_load((OPS / "cluster.yaml").read_text())
+    setup = "\n".join(cluster["setup_commands"])
+    assert "python3.11 -m venv ~/ae-venv" in setup and "sys.version_info >= (3, 11)" in setup
+    requires = tomllib.loads((OPS.parent / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == ">=3.11"
+    commands = [c for key in ("setup_commands", "worker_setup_commands", "head_start_ray_commands",
+                              "worker_start_ray_commands") for c in cluster[key]]
+    bare = re.compile(r"(?<![/\w'-])(ray (start|stop)|adaptive-eagle up|python3? -m pip)")
+    assert not [c for c in commands if bare.search(c)]  # no command reaches the image's Python 3.10
+    head = cluster["head_start_ray_commands"]
+    stop = next(i for i, c in enumerate(head) if c.startswith("pkill -TERM -f 'adaptive-eagle up"))
+    start = next(i for i, c in enumerate(head) if "nohup" in c)
+    assert stop < start and "up --check" in head[start]
 
 
 def exported_metrics() -> set[str]:

@@ -20,7 +20,7 @@ from serving.stack_check import check_stack
 from serving.stack_config import StackConfigError, load_stack_config, parse_stack_config
 
 REPO = Path(__file__).resolve().parents[2]
-SECRETS = {"AE_ADMIN_TOKEN": "t", "AE_API_KEY": "k", "AE_REDIS_PASSWORD": "p"}
+SECRETS = {"AE_ADMIN_TOKEN": "t", "AE_API_KEY": "k", "AE_REDIS_PASSWORD": "p", "AE_REDIS_HOST": "10.0.0.5"}
 
 
 def shipped_configs(tmp_path, monkeypatch):
