@@ -1,6 +1,12 @@
 """What every store backend provides (the local Arrow-segment backend and the Redis-streams backend).
 
 Backends move opaque payloads (Arrow IPC bytes from schema.py); they never decode records.
+
+Errors a backend raises: `StoreUnavailable` when the store cannot be reached (connection refused, reset or
+timed out; a local disk error), and its subclass `StoreRejected` when the store answered but refused
+(Redis OOM under maxmemory, READONLY after a failover, NOAUTH / WRONGPASS, NOPERM from an ACL, LOADING).
+The writer tells the two apart (state "down" vs "erroring"); callers that only care whether the store
+took the data catch StoreUnavailable and get both.
 """
 
 from __future__ import annotations
@@ -18,6 +24,16 @@ COUNTERS = ("dropped", "opted_out", "corrupt", "written", "write_errors")
 
 class StoreUnavailable(ConnectionError):
     """The store cannot be reached or written right now (the writer drops and retries later)."""
+
+
+class StoreRejected(StoreUnavailable):
+    """The store answered but refused the command (OOM, READONLY, NOAUTH, NOPERM, ...); the message keeps
+    the store's reason. `stored`: how many payloads of the refused `append` the store did take (a Redis
+    pipeline is not a transaction: a batch can be cut by maxmemory half way)."""
+
+    def __init__(self, message: str, stored: int = 0):
+        super().__init__(message)
+        self.stored = stored
 
 
 @dataclass(frozen=True)

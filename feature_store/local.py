@@ -8,10 +8,14 @@ Segment layout: an 8-byte header `AESEG1\\n\\0`, then frames `[u32 length][u32 c
 "not yet written" for readers and truncated away when a writer opens the store; a short frame at the
 end of an older segment, or a CRC mismatch, is skipped and counted as corrupt, never returned.
 Ids are `<segment>-<byte offset>`. One writer process at a time (an flock on `writer.lock`).
+
+Errors: a disk that refuses (full, over quota, read-only, no permission) or a store another process
+writes to raises StoreRejected (a ping cannot see either); any other OS error raises StoreUnavailable.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -23,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from feature_store.backend import COUNTERS, BackendStats, Entry, StoreUnavailable, atomic_write_json
+from feature_store.backend import COUNTERS, BackendStats, Entry, StoreRejected, StoreUnavailable, atomic_write_json
 from feature_store.config import StoreConfig
 
 MAGIC = b"AESEG1\n\0"
 HEADER = len(MAGIC)
+REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 FRAME = struct.Struct("<II")
 MAX_FRAME = 1 << 30
 Pos = tuple[int, int]  # (segment, byte offset)
@@ -119,7 +124,7 @@ class LocalBackend:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise StoreUnavailable(f"another process writes to {self.root}") from None
+            raise StoreRejected(f"another process writes to {self.root}") from None
         self._writer_lock_fd = fd
 
     def _open_active(self) -> None:
@@ -162,8 +167,13 @@ class LocalBackend:
                 f.flush()
                 if self.cfg.fsync:
                     os.fsync(f.fileno())
+            except StoreUnavailable:  # an OSError too (ConnectionError): keep its kind and message
+                self._active = None
+                raise
             except OSError as e:
                 self._active = None
+                if e.errno in REFUSED_ERRNOS:
+                    raise StoreRejected(f"local store refused the write: {e}") from e
                 raise StoreUnavailable(f"local store write failed: {e}") from e
 
     def ping(self) -> None:

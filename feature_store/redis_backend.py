@@ -9,6 +9,11 @@ atomically on shared storage. Caps: XADD MAXLEN [~] min(max_stream_len, max_stre
 entry bytes); TTL: XTRIM MINID [~] now - retention_s (stream ids are milliseconds). Delivery:
 XREADGROUP, explicit XACK, and XAUTOCLAIM of entries pending longer than claim_idle_ms (a consumer
 that died mid-batch) to the next consumer that reads.
+
+Errors: Redis unreachable (refused, reset, timed out) raises StoreUnavailable; Redis answered but refused
+(OOM under maxmemory, READONLY replica, NOAUTH / WRONGPASS, NOPERM, LOADING: redis-py's ResponseError and
+its AuthenticationError / AuthorizationError / BusyLoadingError, which it files under ConnectionError)
+raises StoreRejected with Redis's reason, e.g. "redis refused the write: OOM command not allowed ...".
 """
 
 from __future__ import annotations
@@ -25,11 +30,24 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from adaptive_eagle.atomic import atomic_write_bytes
-from feature_store.backend import COUNTERS, BackendStats, Entry, StoreUnavailable
+from feature_store.backend import COUNTERS, BackendStats, Entry, StoreRejected, StoreUnavailable
 from feature_store.config import StoreConfig
 
+# Redis answered and said no; caught before _ERRORS, since redis-py files some of them under ConnectionError
+_REFUSED = (redis.ResponseError, redis.AuthenticationError, redis.exceptions.AuthorizationError,
+            redis.BusyLoadingError)
 _ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 SCAN_PAGE = 512
+REASON_CHARS = 300
+
+
+def _refused(what: str, e: Exception, stored: int = 0) -> StoreRejected:
+    """StoreRejected for a refusal, with Redis's reason ("OOM command not allowed ...") and never a payload."""
+    code = getattr(e, "status_code", None)
+    reason = str(e.args[0]) if e.args else type(e).__name__
+    if code and not reason.startswith(code):  # redis-py strips the error code off the message
+        reason = f"{code} {reason}"
+    return StoreRejected(f"redis refused the {what}: {reason[:REASON_CHARS]}", stored=stored)
 
 
 def _client(cfg: StoreConfig) -> redis.Redis:
@@ -66,6 +84,8 @@ class RedisBackend:
     def ping(self) -> None:
         try:
             self.r.ping()
+        except _REFUSED as e:
+            raise _refused("ping", e) from e
         except _ERRORS as e:
             raise StoreUnavailable(f"redis unreachable: {e}") from e
 
@@ -84,6 +104,8 @@ class RedisBackend:
         return max(1, min(self.cfg.max_stream_len, by_bytes))
 
     def append(self, payloads: list[bytes]) -> None:
+        """XADD every payload in one pipeline (not a transaction: a refusal can cut a batch half way, and
+        the StoreRejected then says how many were stored)."""
         try:
             pipe = self.r.pipeline(transaction=False)
             for p in payloads:
@@ -91,9 +113,14 @@ class RedisBackend:
                 fields = self._spill(p) if big else {"p": p}
                 maxlen = self._maxlen(64 if big else len(p))
                 pipe.xadd(self.key, fields, maxlen=maxlen, approximate=self.cfg.trim_approximate)
-            pipe.execute()
+            results = pipe.execute(raise_on_error=False)
+        except _REFUSED as e:
+            raise _refused("write", e) from e
         except _ERRORS as e:
             raise StoreUnavailable(f"redis write failed: {e}") from e
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise _refused("write", errors[0], stored=len(results) - len(errors))
 
     # ---------- reading ----------
     def _ensure_group(self, group: str) -> None:
@@ -130,12 +157,15 @@ class RedisBackend:
     def read(self, group: str, consumer: str, count: int = 64, block_ms: int = 0) -> list[Entry]:
         """Pending entries idle past claim_idle_ms first (XAUTOCLAIM), then new ones (XREADGROUP)."""
         try:
-            return self._read(group, consumer, count, block_ms)
-        except redis.ResponseError as e:
-            if "NOGROUP" not in str(e):  # the stream was lost (e.g. Redis restarted without persistence)
-                raise
-            self._groups.discard(group)
-            return self._read(group, consumer, count, block_ms)
+            try:
+                return self._read(group, consumer, count, block_ms)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):  # the stream was lost (e.g. Redis restarted without persistence)
+                    raise
+                self._groups.discard(group)
+                return self._read(group, consumer, count, block_ms)
+        except _REFUSED as e:
+            raise _refused("read", e) from e
         except _ERRORS as e:
             raise StoreUnavailable(f"redis read failed: {e}") from e
 
@@ -154,6 +184,8 @@ class RedisBackend:
         if ids:
             try:
                 self.r.xack(self.key, group, *ids)
+            except _REFUSED as e:
+                raise _refused("ack", e) from e
             except _ERRORS as e:
                 raise StoreUnavailable(f"redis ack failed: {e}") from e
 
@@ -181,6 +213,8 @@ class RedisBackend:
             for k, v in deltas.items():
                 pipe.hincrby(self.cfg.stats_key, k, v)
             pipe.execute()
+        except _REFUSED as e:
+            raise _refused("counters", e) from e
         except _ERRORS as e:
             raise StoreUnavailable(f"redis counters failed: {e}") from e
 
@@ -217,6 +251,8 @@ class RedisBackend:
                 pending = int(info.get("pending", 0))
                 lag = pending + (int(info["lag"]) if info.get("lag") is not None else records)
             return BackendStats("redis", records, nbytes, lag, pending, self.counters())
+        except _REFUSED as e:
+            raise _refused("stats", e) from e
         except _ERRORS as e:
             raise StoreUnavailable(f"redis stats failed: {e}") from e
 
@@ -226,6 +262,8 @@ class RedisBackend:
         try:
             self.r.xtrim(self.key, minid=f"{int((now - self.cfg.retention_s) * 1000)}-0",
                          approximate=self.cfg.trim_approximate)
+        except _REFUSED as e:
+            raise _refused("trim", e) from e
         except _ERRORS as e:
             raise StoreUnavailable(f"redis trim failed: {e}") from e
         files = self._spill_files()

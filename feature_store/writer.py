@@ -1,9 +1,21 @@
 """Writer side: a non-blocking `put()` for servers, a bounded queue and a background flusher.
 
-Owns: the queue, the flusher thread, drop/opt-out accounting, reconnection backoff. Must not touch:
-the caller's request: `put()` never blocks on I/O and never raises; when the store is slow or down,
-records are dropped and counted (`dropped`), requests that opted out are counted (`opted_out`) and
-never stored. Records are encoded (codec + Arrow IPC) on the flusher thread, not the caller's.
+Owns: the queue, the flusher thread, drop/opt-out accounting, the writer's state and its backoff. Must not
+touch: the caller's request: `put()` never blocks on I/O and never raises; when the store is slow, down or
+refusing, records are dropped and counted (`dropped`, and by reason in `dropped_by_reason`, see
+DROP_REASONS), requests that opted out are counted (`opted_out`) and never stored. Records are encoded
+(codec + Arrow IPC) on the flusher thread, not the caller's.
+
+The flusher never dies of a store error. Its state (`WriterStats.state`, see WRITER_STATES):
+  ok       -> writes go through.
+  down     -> the store cannot be reached (StoreUnavailable, OSError): records wait in the queue, the
+              flusher pings after each backoff (doubling up to backoff_max_s) and writes again once it answers.
+  erroring -> the store answered but refused (StoreRejected: OOM, READONLY, NOAUTH, NOPERM), or the backend
+              raised something unexpected: after each backoff the flusher writes one record as the probe
+              (a PING succeeds under OOM or READONLY, so only a write proves writes work) and returns to ok
+              when the store takes it.
+  dead     -> a bug killed the flusher thread anyway; stats() says so, with the error, and put() drops.
+`last_error` keeps the latest failure with its UTC time, also after recovery.
 """
 
 from __future__ import annotations
@@ -12,30 +24,54 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from adaptive_eagle.trace import TraceRecord
-from feature_store.backend import Backend, StoreUnavailable, open_backend
+from feature_store.backend import Backend, StoreRejected, StoreUnavailable, open_backend
 from feature_store.config import StoreConfig
 from feature_store.schema import encode_record
 
 log = logging.getLogger(__name__)
 COUNTER_PUBLISH_S = 1.0
 MAINTAIN_S = 30.0
+ERROR_CHARS = 500
+
+DROP_REASONS = {  # every record the writer does not store is counted under exactly one of these
+    "queue_full": "put() refused: the queue was at queue_max_records or queue_max_bytes",
+    "closed": "put() after close(), or still queued when close() stopped waiting",
+    "bad_record": "put() could not size the record (not a TraceRecord)",
+    "encode_error": "the flusher could not encode the record (codec, schema)",
+    "store_down": "its write failed because the store could not be reached (StoreUnavailable, OSError)",
+    "rejected": "the store answered and refused its write (StoreRejected: OOM, READONLY, NOAUTH, NOPERM)",
+    "write_error": "the backend raised something unexpected on its write (a bug; handled like a refusal)",
+    "flusher_dead": "queued, in flight or put() after a bug killed the flusher thread",
+}
+WRITER_STATES = {
+    "ok": "the last write (or reconnect ping) succeeded",
+    "down": "the store cannot be reached; the flusher pings it after each backoff",
+    "erroring": "the store answered but refused the last write; the flusher probes with one record per backoff",
+    "dead": "a bug killed the flusher thread; nothing more is written",
+}
 
 
 @dataclass(frozen=True)
 class WriterStats:
     accepted: int  # put() calls that queued a record
     written: int  # records the backend acknowledged
-    dropped: int  # queue full, store down or a failed write
-    opted_out: int  # capture_consent False: never stored
-    encode_errors: int  # records that could not be encoded (also counted in dropped)
+    dropped: int  # records not stored, for any reason: the sum of dropped_by_reason
+    opted_out: int  # capture_consent False: never stored (not a drop)
     queued: int
     queued_bytes: int
-    connected: bool
-    backoff_s: float  # current reconnect delay (0 when connected)
+    state: str  # one of WRITER_STATES
+    connected: bool  # the store answered the last time the flusher reached for it (False only when "down")
+    backoff_s: float  # current retry delay while down or erroring (0 when ok)
+    last_error: str | None = None  # "<UTC time> <reason>: <error>" of the latest failure, kept after recovery
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)  # every key of DROP_REASONS
+
+
+def _stamped(error: str) -> str:
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {error[:ERROR_CHARS]}"
 
 
 class StoreWriter:
@@ -50,11 +86,14 @@ class StoreWriter:
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._stop = False
-        self._stopping = threading.Event()  # wakes a reconnect backoff sleep on close()
-        self._c = {"accepted": 0, "written": 0, "dropped": 0, "opted_out": 0, "encode_errors": 0}
+        self._stopping = threading.Event()  # wakes a backoff sleep on close()
+        self._c = {"accepted": 0, "written": 0, "opted_out": 0}
+        self._drops = dict.fromkeys(DROP_REASONS, 0)
         self._published = {"dropped": 0, "opted_out": 0, "written": 0}
+        self._state = "ok"
         self._connected = True
         self._backoff = 0.0
+        self._last_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="feature-store-flusher", daemon=True)
         self._thread.start()
 
@@ -68,9 +107,11 @@ class StoreWriter:
                 return False
             nbytes = 8 * len(record.input_ids) + (record.aux_hidden.nbytes if record.aux_hidden is not None else 0)
             with self._lock:
-                if (self._stop or len(self._q) >= self.cfg.queue_max_records
-                        or self._q_bytes + nbytes > self.cfg.queue_max_bytes):
-                    self._c["dropped"] += 1
+                refused = ("closed" if self._stop else "flusher_dead" if self._state == "dead" else
+                           "queue_full" if (len(self._q) >= self.cfg.queue_max_records
+                                            or self._q_bytes + nbytes > self.cfg.queue_max_bytes) else None)
+                if refused:
+                    self._drops[refused] += 1
                     return False
                 self._q.append((record, nbytes))
                 self._q_bytes += nbytes
@@ -81,15 +122,19 @@ class StoreWriter:
         except Exception:  # noqa: BLE001 - the caller's request must never fail because of the store
             try:
                 with self._lock:
-                    self._c["dropped"] += 1
+                    self._drops["bad_record"] += 1
             except Exception:  # noqa: BLE001
                 pass
             return False
 
     def stats(self) -> WriterStats:
         with self._lock:
-            return WriterStats(queued=len(self._q), queued_bytes=self._q_bytes, connected=self._connected,
-                               backoff_s=self._backoff, **self._c)
+            state = self._state
+            if state != "dead" and not self._stop and not self._thread.is_alive():  # died past its own handler
+                state = "dead"
+            return WriterStats(queued=len(self._q), queued_bytes=self._q_bytes, state=state,
+                               connected=self._connected, backoff_s=self._backoff, last_error=self._last_error,
+                               dropped=sum(self._drops.values()), dropped_by_reason=dict(self._drops), **self._c)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait (bounded) until the queue is empty and no batch is in flight; True if it is."""
@@ -109,7 +154,7 @@ class StoreWriter:
         with self._lock:
             self._stop = True
             self._stopping.set()
-            self._c["dropped"] += len(self._q)
+            self._drops["closed"] += len(self._q)
             self._q.clear()
             self._q_bytes = 0
             self._wake.notify()
@@ -119,38 +164,53 @@ class StoreWriter:
             self.backend.close()
 
     # ---------- flusher thread ----------
-    def _take(self) -> list[tuple[TraceRecord, int]]:
-        with self._lock:
-            if not self._q and not self._stop:
-                self._wake.wait(self.cfg.flush_interval_s)
-            if not self._connected:
-                return []
-            batch = [self._q.popleft() for _ in range(min(len(self._q), self.cfg.batch_max_records))]
-            self._q_bytes -= sum(n for _, n in batch)
-            self._in_flight = len(batch)
-            return batch
-
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - a bug: say so in stats() and count what it strands
+            log.exception("feature store: the flusher thread died; nothing more will be written")
+            with self._lock:
+                self._state = "dead"
+                self._last_error = _stamped(f"flusher died: {type(e).__name__}: {e}")
+                self._drops["flusher_dead"] += len(self._q) + self._in_flight
+                self._q.clear()
+                self._q_bytes = self._in_flight = 0
+                self._idle.notify_all()
+
+    def _loop(self) -> None:
         next_publish = next_maintain = time.monotonic()
         while True:
             with self._lock:
                 if self._stop and not self._q:
                     return
-            if not self._connected:
+                state = self._state
+            if state == "down":
                 self._reconnect()
                 continue
-            batch = self._take()
+            if state == "erroring" and self._sleep_backoff():
+                continue
+            batch = self._take(1 if state == "erroring" else self.cfg.batch_max_records)
             if batch:
                 self._write(batch)
             now = time.monotonic()
             if now >= next_publish:
                 self._publish_counters()
                 next_publish = now + COUNTER_PUBLISH_S
-            if now >= next_maintain and self._connected:
+            if now >= next_maintain and self._state == "ok":
                 self._maintain()
                 next_maintain = now + MAINTAIN_S
 
+    def _take(self, limit: int) -> list[tuple[TraceRecord, int]]:
+        with self._lock:
+            if not self._q and not self._stop:
+                self._wake.wait(self.cfg.flush_interval_s)
+            batch = [self._q.popleft() for _ in range(min(len(self._q), limit))]
+            self._q_bytes -= sum(n for _, n in batch)
+            self._in_flight = len(batch)
+            return batch
+
     def _write(self, batch: list[tuple[TraceRecord, int]]) -> None:
+        """Encode and append one batch; count every record of it as written or dropped (by reason)."""
         payloads, bad = [], 0
         for record, _ in batch:
             try:
@@ -158,45 +218,67 @@ class StoreWriter:
             except Exception:  # noqa: BLE001 - a bad record is dropped and counted, never fatal
                 log.exception("feature store: record %s could not be encoded", getattr(record, "request_id", "?"))
                 bad += 1
+        stored, failure = len(payloads), None
         try:
             if payloads:
                 self.backend.append(payloads)
-            ok = len(payloads)
+        except StoreRejected as e:  # before StoreUnavailable: its subclass
+            stored, failure = min(max(e.stored, 0), len(payloads)), ("rejected", "erroring", e)
         except (StoreUnavailable, OSError) as e:
-            log.warning("feature store: write failed, dropping %d records: %s", len(payloads), e)
-            ok = 0
-            self._set_down()
+            stored, failure = 0, ("store_down", "down", e)
+        except Exception as e:  # noqa: BLE001 - whatever a backend raises, the flusher goes on
+            stored, failure = 0, ("write_error", "erroring", e)
         with self._lock:
-            self._c["written"] += ok
-            self._c["dropped"] += len(batch) - ok
-            self._c["encode_errors"] += bad
+            self._c["written"] += stored
+            self._drops["encode_error"] += bad
+            if failure is not None:
+                reason, state, e = failure
+                self._drops[reason] += len(payloads) - stored
+                self._fail(state, f"{reason}: {type(e).__name__}: {e}", len(payloads) - stored)
+            elif payloads and self._state != "ok":
+                log.info("feature store: the store takes writes again")
+                self._state, self._connected, self._backoff = "ok", True, 0.0
             self._in_flight = 0
             self._idle.notify_all()
 
-    def _set_down(self) -> None:
-        with self._lock:
-            self._connected = False
-            self._backoff = min(self.cfg.backoff_max_s, max(self.cfg.backoff_initial_s, 2 * self._backoff))
+    def _fail(self, state: str, error: str, lost: int = 0) -> None:
+        """Enter `state` ("down" or "erroring") and double the backoff; the caller holds the lock."""
+        if state != self._state or lost:
+            log.warning("feature store: %s, %d records dropped: %s", state, lost, error)
+        self._state, self._connected = state, state != "down"
+        self._backoff = min(self.cfg.backoff_max_s, max(self.cfg.backoff_initial_s, 2 * self._backoff))
+        self._last_error = _stamped(error)
 
-    def _reconnect(self) -> None:
-        """Sleep the current backoff (interruptible by close), then ping; double the delay on failure."""
+    def _sleep_backoff(self) -> bool:
+        """Sleep the current backoff, interruptible by close(); True if close() cut it short."""
         with self._lock:
             self._idle.notify_all()
             delay = self._backoff
-        if self._stopping.wait(delay):
+        return self._stopping.wait(delay)
+
+    def _reconnect(self) -> None:
+        """Sleep the current backoff, then ping; double the delay on failure. A store that answers the ping
+        but refuses it (NOAUTH) is "erroring": then only a write can tell when it takes writes again."""
+        if self._sleep_backoff():
             return
         try:
             self.backend.ping()
-        except Exception:  # noqa: BLE001
-            self._set_down()
+        except StoreRejected as e:
+            with self._lock:
+                self._fail("erroring", f"rejected: {type(e).__name__}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001
+            with self._lock:
+                self._fail("down", f"store_down: {type(e).__name__}: {e}")
             return
         with self._lock:
-            self._connected, self._backoff = True, 0.0
+            self._state, self._connected, self._backoff = "ok", True, 0.0
         log.info("feature store: reconnected")
 
     def _publish_counters(self) -> None:
         with self._lock:
-            deltas = {k: self._c[k] - v for k, v in self._published.items()}
+            current = dict(self._c, dropped=sum(self._drops.values()))
+            deltas = {k: current[k] - v for k, v in self._published.items()}
         if not any(deltas.values()) or not self._connected:
             return
         try:
@@ -228,5 +310,5 @@ def write_records(config: StoreConfig, records: Iterable[TraceRecord], timeout: 
     stats = writer.stats()
     if stats.written != n:
         raise RuntimeError(f"{n - stats.written} of {n} records were not stored ({stats.dropped} dropped, "
-                           f"{stats.opted_out} opted out, {stats.encode_errors} not encodable)")
+                           f"{stats.opted_out} opted out, {stats.dropped_by_reason['encode_error']} not encodable)")
     return stats

@@ -39,8 +39,14 @@ class GatewayMetrics:
                                   ["replica", "head_version"], registry=r)
         self.capture = Gauge("ae_capture_records", "Capture decisions per replica (hidden, tokens, skipped, "
                              "over_budget, opted_out)", ["replica", "kind"], registry=r)
-        self.capture_dropped = Gauge("ae_capture_dropped", "Records the store writer dropped (store slow or down)",
+        self.capture_dropped = Gauge("ae_capture_dropped", "Records the store writer dropped, for any reason",
                                      ["replica"], registry=r)
+        self.capture_dropped_by_reason = Gauge("ae_capture_dropped_by_reason", "Records the store writer dropped, "
+                                               "by reason (feature_store.writer.DROP_REASONS)", ["replica", "reason"],
+                                               registry=r)
+        self.store_state = Gauge("ae_capture_store_state", "1 for the store writer's state on each replica (ok, "
+                                 "down, erroring, dead: feature_store.writer.WRITER_STATES)", ["replica", "state"],
+                                 registry=r)
         self.store_written = Gauge("ae_capture_written", "Records the store acknowledged", ["replica"], registry=r)
         self.canary_fraction = Gauge("ae_canary_fraction", "Share of requests routed to the canary head",
                                      registry=r)
@@ -58,14 +64,20 @@ class GatewayMetrics:
         self.busy_replicas.set(busy)
         self.canary_fraction.set(canary_fraction)
         self.replica_head.clear()
+        self.store_state.clear()
         for s in statuses:
             self.replica_head.labels(s.replica, s.head_version).set(1)
             for kind in ("hidden", "tokens", "skipped", "over_budget", "opted_out"):
                 self.capture.labels(s.replica, kind).set(s.capture.get(kind, 0))
             store = s.store or {}
-            # the writer counts every record it drops (put refused, store down); without a writer, the server's count
+            # the writer counts every record it drops (put refused, store down or refusing), also by reason;
+            # without a writer, the server's count
             self.capture_dropped.labels(s.replica).set(store.get("dropped", s.capture.get("dropped_at_put", 0)))
             self.store_written.labels(s.replica).set(store.get("written", 0))
+            for reason, n in (store.get("dropped_by_reason") or {}).items():
+                self.capture_dropped_by_reason.labels(s.replica, reason).set(n)
+            if store.get("state"):
+                self.store_state.labels(s.replica, store["state"]).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,10 +1,11 @@
-"""Local Arrow-segment backend: round trip, torn tails, offsets across restarts, rotation, retention."""
+"""Local Arrow-segment backend: round trip, torn tails, offsets across restarts, rotation, retention, one writer."""
 
 import os
 import time
 
 import pytest
 
+from feature_store.backend import StoreRejected
 from feature_store.local import LocalBackend
 from feature_store.reader import StoreReader
 from feature_store.schema import encode_record
@@ -122,6 +123,18 @@ def test_one_writer_process_at_a_time(local_cfg):
     b = LocalBackend(cfg)
     b.append(payloads(1))  # the lock was released
     assert b.stats().records == 2
+
+
+def test_a_second_writer_is_refused_not_down(local_cfg):
+    cfg = local_cfg()
+    a = LocalBackend(cfg)
+    a.append(payloads(1))
+    b = LocalBackend(cfg)
+    b.ping()  # the store is there: a ping cannot tell, only the write is refused
+    with pytest.raises(StoreRejected, match="another process writes"):
+        b.append(payloads(1))
+    a.close()
+    b.close()
 
 
 def test_tail_returns_the_newest(local_cfg):

@@ -10,7 +10,7 @@ import time
 import pytest
 import redis
 
-from feature_store.backend import StoreUnavailable
+from feature_store.backend import StoreRejected
 from feature_store.config import StoreConfig
 from feature_store.reader import StoreReader
 from feature_store.redis_backend import RedisBackend
@@ -160,7 +160,7 @@ def test_auth_password_from_config(tmp_path):
     try:
         url = f"redis://127.0.0.1:{port}/0"
         bad = RedisBackend(StoreConfig(backend="redis", redis_url=url, socket_timeout_s=0.5))
-        with pytest.raises(StoreUnavailable):  # refused without the password: the writer drops and backs off
+        with pytest.raises(StoreRejected, match="NOAUTH"):  # answered and refused: the writer drops and backs off
             bad.append([b"x"])
         ok = RedisBackend(StoreConfig(backend="redis", redis_url=url, redis_password="s3cret"))
         ok.append([encode_record(make_record(0), "int8")])
