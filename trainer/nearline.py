@@ -12,6 +12,14 @@ that trained on it (or the held-out pool that keeps it) has been checkpointed, s
 nothing: unacked records are delivered again, and at most one checkpoint interval of records is
 trained twice. A record delivered again while this process still holds it is ignored.
 
+Faults. A store error (StoreUnavailable, its StoreRejected included: Redis restarting or refusing,
+a network blip) is ridden out: the loop backs off (capped, exponential) and tries the same pass
+again, the status saying `degraded since <UTC time>: <error>` meanwhile, and carries on once the
+store answers (an interrupted pass changed nothing that a retry repeats: a failed read delivered
+nothing, a failed ack keeps its records to ack after the next checkpoint). Anything else, or more
+than `store_max_errors` store errors in a row, ends `run` with the error (state `error: ...`): the
+caller ends the process, and Ray restarts it.
+
 TrainerActor (trainer/actor.py) is a thin async Ray actor around this class.
 """
 
@@ -36,6 +44,7 @@ from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.targets import Target, cpu_has_fast_bf16, load_target, resolve_device
 from adaptive_eagle.trace import TraceRecord
+from feature_store.backend import StoreUnavailable
 from feature_store.reader import StoreReader
 from feature_store.schema import decode_record, encode_record
 from trainer.buffer import ReplayBuffer, replay_rows
@@ -78,8 +87,13 @@ class TrainerStatus:
     duplicates: int
     regenerated_rows: int  # rows whose features came from a target forward here
     drift: dict
-    state: str  # "starting" | "waiting" | "training" | "evaluating" | "stopped" | "error: ..."
+    # "starting" | "waiting" | "training" | "evaluating" | "degraded since <UTC>: <error>" (retrying the store)
+    # | "stopped" | "error: ..." (the loop ended with an error)
+    state: str
     moe: dict | None = None  # MoE growth: domain -> expert, experts grown, low counts (None: moe_grow off)
+    errors_total: int = 0  # errors the loop met in this process (store errors ridden out, and a fatal one)
+    last_error: str | None = None  # "<type>: <message>" of the latest
+    last_step_at: float | None = None  # unix seconds of the latest optimizer step in this process (None: none yet)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -120,6 +134,9 @@ class NearlineTrainer:
         self.last_batch: dict = {}
         self._yield_since: float | None = None  # when the current stretch of yielding to requests began
         self.state = "starting"
+        self.errors_total, self.last_error, self.last_step_at = 0, None, None
+        self._store_errors = 0  # store errors in a row (the backoff's exponent)
+        self._degraded_since: float | None = None  # unix seconds of the first of them
         self.events: deque[str] = deque(maxlen=200)  # drift and candidate lines, newest last
         self._last_checkpoint = self._last_candidate_t = self._last_champion_check = time.monotonic()
         self._tokens_at_candidate = 0
@@ -308,6 +325,7 @@ class NearlineTrainer:
                                    extra_loss=extra)
             tokens, regenerated = tb.tokens, tb.regenerated
         self.counters["steps"] += 1
+        self.last_step_at = time.time()
         self.counters["tokens_trained"] += tokens
         self.counters["regenerated_rows"] += regenerated
         self.loss = stats.loss
@@ -395,6 +413,7 @@ class NearlineTrainer:
         if self.head is not None:
             with staging_dir(self.work_dir / STATE, overwrite=True) as d:
                 meta = {"base": self.base, "counters": self.counters, "buffer_seen": self.buffer.seen(),
+                        "buffer_priorities": self.buffer.priorities(),
                         "tokens_at_candidate": self._tokens_at_candidate, "saved_at": time.time(),
                         "seen_requests": list(self.seen_requests),
                         "moe": self.moe.state() if self.moe is not None else None}
@@ -429,7 +448,8 @@ class NearlineTrainer:
         for rid in meta.get("seen_requests", []):
             self._remember(rid)
         replay, heldout = read_pool(d / POOL_FILE)
-        self.buffer.restore([(dom, p, len(p)) for dom, p in replay], meta.get("buffer_seen", {}))
+        self.buffer.restore([(dom, p, len(p)) for dom, p in replay], meta.get("buffer_seen", {}),
+                            meta.get("buffer_priorities"))  # None in checkpoints from before priority keys
         for dom, p in heldout:
             self.heldout.setdefault(dom, deque(maxlen=self.cfg.heldout_per_domain)).append(decode_record(p))
         self._note(f"resumed from checkpoint: step {self.counters['steps']}, "
@@ -494,18 +514,70 @@ class NearlineTrainer:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None, budget_s: float | None = None) -> TrainerStatus:
-        """Tail the store and train until `stop` is set or `budget_s` seconds passed; checkpoints on exit."""
+        """Tail the store and train until `stop` is set or `budget_s` seconds passed; checkpoints on exit.
+        Store errors are ridden out (`_back_off`); any other error is raised, state `error: ...`."""
         stop = stop or threading.Event()
         t_end = time.monotonic() + budget_s if budget_s is not None else None
-        if self.state == "starting":
-            self.start()
+        started = self.state != "starting"
         try:
+            if not started:
+                self.start()
+                started = True
             while not stop.is_set() and (t_end is None or time.monotonic() < t_end):
-                self.tick()
-        finally:
-            self.checkpoint()
-            self.state = "stopped"
+                try:
+                    self.tick()
+                except StoreUnavailable as e:
+                    self._back_off(e, stop)
+                else:
+                    self._store_answers()
+        except BaseException as e:
+            self.state = f"error: {type(e).__name__}: {e}"
+            if started:
+                try:
+                    self._checkpoint_on_exit()
+                except Exception:  # the loop's own error is the one to raise
+                    log.exception("checkpoint after the loop's error failed")
+            self._count_error(e)  # last: the loop's own error is the last error
+            raise
+        self._checkpoint_on_exit()
+        self.state = "stopped"
         return self.status()
+
+    def _count_error(self, e: BaseException) -> None:
+        self.errors_total += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+
+    def _back_off(self, e: StoreUnavailable, stop: threading.Event) -> None:
+        """A store error: counted, the state says degraded, and the loop waits before its next pass (capped
+        exponential backoff, cut short by `stop`). One more than cfg.store_max_errors in a row is raised."""
+        self._store_errors += 1
+        self._degraded_since = self._degraded_since or time.time()
+        since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._degraded_since))
+        if self._store_errors > self.cfg.store_max_errors:  # counted by run() as the loop's own error
+            raise RuntimeError(f"the store failed {self._store_errors} times in a row since {since}; "
+                               f"last: {type(e).__name__}: {e}") from e
+        self._count_error(e)
+        if self._store_errors == 1:
+            self._note(f"store error, retrying with backoff: {self.last_error}")
+        self.state = f"degraded since {since}: {self.last_error}"
+        delay = self.cfg.store_backoff_initial_s * 2 ** min(self._store_errors - 1, 30)
+        stop.wait(min(delay, self.cfg.store_backoff_max_s))
+
+    def _store_answers(self) -> None:
+        """A pass went through: end a degraded stretch (the pass itself set the state)."""
+        if self._degraded_since is not None:
+            self._note(f"store answers again after {self._store_errors} errors in "
+                       f"{time.time() - self._degraded_since:.1f} s")
+            self._store_errors, self._degraded_since = 0, None
+
+    def _checkpoint_on_exit(self) -> None:
+        """The last checkpoint. The state is on disk before the ack; if the store is down the ack is left
+        undone (the records come again after a restart and are recognised as already used)."""
+        try:
+            self.checkpoint()
+        except StoreUnavailable as e:
+            self._count_error(e)
+            self._note(f"last checkpoint written, {len(self.done_ids)} records left unacked: {self.last_error}")
 
     def tick(self) -> None:
         """One pass of the loop: champion check, poll, maybe a step, maybe a checkpoint or a candidate."""
@@ -549,7 +621,8 @@ class NearlineTrainer:
             candidates=len(c["candidates"]), heldout={d or "untagged": len(p) for d, p in self.heldout.items()},
             buffer=self.buffer.domains(), skipped=dict(c["skipped"]), duplicates=c["duplicates"],
             regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state,
-            moe=self.moe.status() if self.moe is not None else None)
+            moe=self.moe.status() if self.moe is not None else None, errors_total=self.errors_total,
+            last_error=self.last_error, last_step_at=self.last_step_at)
 
     def close(self) -> None:
         if self.data_parallel is not None:

@@ -1,5 +1,10 @@
 """The near-line trainer on a tiny target: trains on captured traffic from a real local store, acks
-only after checkpoints, survives a crash, mixes replay rows, follows the champion, writes candidates."""
+only after checkpoints, survives a crash, mixes replay rows, follows the champion, writes candidates,
+rides out a store outage (degraded meanwhile) and ends its loop on any other error."""
+
+import json
+import threading
+import time
 
 import torch
 import pytest
@@ -8,6 +13,7 @@ from adaptive_eagle.checkpoint import HeadMeta
 from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import SamplingParams
+from feature_store.backend import StoreUnavailable
 from feature_store.config import StoreConfig
 from feature_store.reader import StoreReader
 from feature_store.writer import write_records
@@ -86,6 +92,31 @@ def test_a_crash_loses_nothing_and_duplicates_stay_within_one_checkpoint(tmp_pat
     assert trained + heldout == N_RECORDS  # every record trained or held out exactly once in the final state
     assert b.reader.stats().pending == 0 and StoreReader(cfg.store, "trainer").stats().lag == 0
     assert torch.isfinite(torch.tensor(b.loss))
+
+
+def test_the_replay_buffer_resumes_with_its_keys_and_a_checkpoint_from_before_keys_still_loads(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world, replay_per_domain=4)  # the count cap binds: keys decide
+    a = NearlineTrainer(cfg, target=target)
+    a.start()
+    a.poll()
+    while a.fresh:
+        a.train_once(force=True)
+    a.checkpoint()
+    a.reader.close()
+    b = NearlineTrainer(cfg, target=target)
+    b.start()
+    assert b.buffer.items() == a.buffer.items() and b.buffer.priorities() == a.buffer.priorities()
+    assert b.buffer.seen() == a.buffer.seen() and max(a.buffer.seen().values()) > 4
+    b.reader.close()
+    meta_file = tmp_path / "work" / "state" / "trainer.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["buffer_priorities"]
+    meta_file.write_text(json.dumps(meta))
+    old = NearlineTrainer(cfg, target=target)
+    old.start()
+    assert sorted(old.buffer.items()) == sorted(a.buffer.items()) and old.buffer.seen() == a.buffer.seen()
+    assert old.counters["steps"] == a.counters["steps"]
+    old.reader.close()
 
 
 def test_every_batch_keeps_the_replay_ratio(tmp_path, world):
@@ -187,3 +218,106 @@ def test_the_trainer_yields_to_queued_requests_but_never_starves(tmp_path, world
     busy["on"] = False
     tr.tick()
     assert tr.counters["steps"] == 2
+
+
+# ---- faults: a store outage is ridden out, anything else ends the loop ---------------------------
+class FlakyReader:
+    """A StoreReader whose store is down (StoreUnavailable on read and/or ack) until `heal` is set."""
+
+    def __init__(self, inner: StoreReader, heal: threading.Event, read: bool = True, ack: bool = True):
+        self.inner, self.heal, self.fail_read, self.fail_ack = inner, heal, read, ack
+        self.failures = 0
+
+    def _down(self, what: str) -> None:
+        if not self.heal.is_set():
+            self.failures += 1
+            raise StoreUnavailable(f"redis {what} failed: Connection refused")
+
+    def read(self, *args, **kw):
+        if self.fail_read:
+            self._down("read")
+        return self.inner.read(*args, **kw)
+
+    def ack(self, ids) -> None:
+        if self.fail_ack:
+            self._down("ack")
+        self.inner.ack(ids)
+
+    def stats(self):
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def flaky_trainer(tmp_path, world, heal, read=True, ack=True, **over):
+    fast = dict(poll_ms=20, checkpoint_every_s=0.2, store_backoff_initial_s=0.01, store_backoff_max_s=0.05)
+    cfg, target = setup_run(tmp_path, world, **{**fast, **over})
+    reader = FlakyReader(StoreReader(cfg.store, cfg.group, cfg.consumer), heal, read, ack)
+    return NearlineTrainer(cfg, target=target, reader=reader), reader
+
+
+def wait_for(condition, deadline_s: float = 120.0) -> None:
+    """Poll `condition` until it holds (a generous deadline: the verdict never depends on speed)."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.02)
+
+
+def test_a_store_outage_is_ridden_out_and_the_status_says_degraded_meanwhile(tmp_path, world):
+    heal, stop = threading.Event(), threading.Event()
+    tr, reader = flaky_trainer(tmp_path, world, heal)
+    loop = threading.Thread(target=tr.run, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: tr.errors_total >= 3)  # the store is down: the loop backs off and tries again
+        state = tr.state
+        assert state.startswith("degraded since ") and state.endswith(
+            "Z: StoreUnavailable: redis read failed: Connection refused"), state
+        assert tr.counters["steps"] == 0 and tr.last_step_at is None and loop.is_alive()
+        heal.set()  # the store answers again
+        wait_for(lambda: tr.counters["steps"] >= 1)
+        wait_for(lambda: not tr.state.startswith("degraded"))
+    finally:
+        stop.set()
+        loop.join(120)
+    status = tr.status()
+    assert not loop.is_alive() and status.state == "stopped" and status.steps >= 1
+    assert status.errors_total == reader.failures >= 3 and status.last_error.startswith("StoreUnavailable")
+    assert status.last_step_at is not None and status.last_step_at <= time.time()
+    assert any("store error, retrying" in e for e in tr.events) and any("store answers again" in e for e in tr.events)
+    assert reader.stats().pending == len(tr.fresh)  # everything trained or held out was acked in the end
+
+
+def test_a_failed_ack_keeps_its_records_for_the_next_checkpoint(tmp_path, world):
+    heal = threading.Event()
+    tr, reader = flaky_trainer(tmp_path, world, heal, read=False)
+    tr.start()
+    tr.poll()
+    assert tr.train_once() is not None
+    owed = list(tr.done_ids)
+    with pytest.raises(StoreUnavailable):
+        tr.checkpoint()  # the state is written, the ack fails
+    assert tr.done_ids == owed and reader.stats().pending == N_RECORDS
+    heal.set()
+    tr.checkpoint()
+    assert tr.done_ids == [] and reader.stats().pending == len(tr.fresh)
+
+
+def test_the_loop_gives_up_after_store_max_errors_in_a_row(tmp_path, world):
+    tr, reader = flaky_trainer(tmp_path, world, threading.Event(), store_max_errors=3)
+    with pytest.raises(RuntimeError, match="the store failed 4 times in a row since .*Z; last: StoreUnavailable"):
+        tr.run(budget_s=600)
+    assert tr.state.startswith("error: RuntimeError: the store failed 4 times") and tr.errors_total == 4
+
+
+def test_an_error_that_is_not_the_stores_ends_the_loop(tmp_path, world):
+    cfg, target = setup_run(tmp_path, world)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.reader.read = lambda *a, **kw: (_ for _ in ()).throw(ValueError("schema MAJOR 9"))
+    with pytest.raises(ValueError, match="schema MAJOR 9"):
+        tr.run(budget_s=600)
+    status = tr.status()
+    assert status.state == "error: ValueError: schema MAJOR 9" and status.errors_total == 1
+    assert status.last_error == "ValueError: schema MAJOR 9"
