@@ -50,7 +50,7 @@ def test_requests_succeed_while_redis_is_down_and_capture_resumes_after(stack, t
         assert len(answered) > down
         redis = spawn_redis(port, tmp_path / "redis")
         written = writer.stats().written
-        assert wait(lambda: writer.stats().written > written + 2, 20)  # reconnected: capture resumes
+        assert wait(lambda: writer.stats().written > written + 2)  # reconnected: capture resumes
     finally:
         stop.set()
         for c in clients:
@@ -63,7 +63,9 @@ def test_requests_succeed_while_redis_is_down_and_capture_resumes_after(stack, t
     assert failures == []
 
 
-def wait(predicate, timeout_s: float = 15.0) -> bool:
+def wait(predicate, timeout_s: float = 180.0) -> bool:
+    """Poll until `predicate` holds. The deadline only stops a hung test: on a loaded 2-core machine a request
+    to the tiny target has taken 15 s, so the verdict is whether the event happens, never how soon."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
