@@ -137,7 +137,8 @@ def stack_config(tmp_path, seed_head):
     })
 
 
-def wait_for(predicate, timeout_s=30.0, every_s=0.2):
+def wait_for(predicate, timeout_s=180.0, every_s=0.2):
+    """Poll until `predicate` holds; the deadline only stops a hung test (the verdict never depends on speed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := predicate():
@@ -172,8 +173,8 @@ def test_the_stack_serves_captures_canaries_a_candidate_and_stops_cleanly(ray_se
         assert local.signal.read() is not None  # the gateway publishes its load for the trainer
 
         register_candidate(local.registry, stack.target, "c1")  # as the trainer would, with replay evidence
-        assert wait_for(lambda: local.feed.considered, 20)[0][0] == "c1"
-        assert wait_for(lambda: local.app.state.gateway.router.canary is not None, 20)
+        assert wait_for(lambda: local.feed.considered)[0][0] == "c1"
+        assert wait_for(lambda: local.app.state.gateway.router.canary is not None)
         heads = {client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}],
                                                 temperature=0, max_tokens=4).adaptive_eagle["head_version"]
                  for p in PROMPTS * 3}
