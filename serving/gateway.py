@@ -10,7 +10,9 @@ Every response carries the request's speculative metrics in the extra top-level 
 `adaptive_eagle` (also in the final SSE chunk); see openai_api.py for the fields and the request
 extras. Errors are OpenAI-style bodies `{"error": {message, type, param, code}}`: 400 bad input
 (the field and its allowed range named), 401 missing or wrong API key / missing admin token, 403
-wrong admin token, 404 unknown model, 409 a swap or canary refused, 429 queue full.
+wrong admin token, 404 unknown model or path, 405 wrong method, 409 a swap or canary refused (a refused
+swap's body keeps its per-replica `results` next to the error), 429 queue full. Bad client input is never
+a 5xx; a 500 is a server fault (a replica that failed). Bearer tokens are compared as the bytes sent.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Optional, Sequence, Union
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from starlette.exceptions import HTTPException
 
 from serving import openai_api as api
 from serving.config import ServingConfig
@@ -49,13 +52,24 @@ class SwapBody(BaseModel):
 class CanaryBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: Optional[str] = Field(None, description="the candidate head; null ends the canary")
-    fraction: float = Field(0.1, ge=0.0, le=1.0, description="share of requests routed to the candidate")
+    fraction: float = Field(0.1, ge=0.0, le=1.0, allow_inf_nan=False,
+                            description="share of requests routed to the candidate")
 
 
-def _bearer(request: Request) -> Optional[str]:
+def _bearer(request: Request) -> Optional[bytes]:
+    """The bearer token as the bytes the client sent (starlette decodes headers as latin-1, which
+    round-trips every byte); None when there is none. Only ASCII blanks are trimmed: a UTF-8 token may end
+    in byte 0xa0, which str.strip would take for a no-break space."""
     header = request.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+    token = value.strip(" \t").encode("latin-1")
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _secret_is(given: bytes, secret: SecretStr) -> bool:
+    """Constant-time comparison of a token with a configured secret (sent as UTF-8). Bytes on both
+    sides: hmac.compare_digest refuses a str holding non-ASCII characters."""
+    return hmac.compare_digest(given, secret.get_secret_value().encode("utf-8"))
 
 
 class Gateway:
@@ -75,7 +89,7 @@ class Gateway:
         if not self.config.api_keys:
             return
         given = _bearer(request)
-        if given is None or not any(hmac.compare_digest(given, k.get_secret_value()) for k in self.config.api_keys):
+        if given is None or not any(_secret_is(given, k) for k in self.config.api_keys):
             raise api.ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)", None,
                                "invalid_api_key")
 
@@ -85,7 +99,7 @@ class Gateway:
         if given is None:
             raise api.ApiError(401, "admin endpoints need Authorization: Bearer <admin token>", None,
                                "missing_admin_token")
-        if token is None or not hmac.compare_digest(given, token.get_secret_value()):
+        if token is None or not _secret_is(given, token):
             why = "no admin_token is configured: admin endpoints are disabled" if token is None else "wrong admin token"
             raise api.ApiError(403, why, None, "invalid_admin_token")
 
@@ -187,8 +201,11 @@ class Gateway:
         body = api.validate_body(SwapBody, api.parse_json(await request.body()))
         results = await self.fleet.aswap(body.version)
         ok = all(r.ok for r in results)
-        return JSONResponse({"ok": ok, "results": [r.__dict__ for r in results],
-                             "serving_versions": self.router.serving_versions()}, status_code=200 if ok else 409)
+        out = {"ok": ok, "results": [r.__dict__ for r in results], "serving_versions": self.router.serving_versions()}
+        if not ok:  # the refusals as an error body too, as every other 4xx
+            why = "; ".join(dict.fromkeys(r.message for r in results if not r.ok))
+            out.update(api.ApiError(409, f"swap to {body.version!r} refused: {why}", "version", "swap_refused").body())
+        return JSONResponse(out, status_code=200 if ok else 409)
 
     async def admin_canary(self, request: Request) -> JSONResponse:
         body = api.validate_body(CanaryBody, api.parse_json(await request.body()))
@@ -227,6 +244,12 @@ def create_app(config: ServingConfig, replicas: Sequence[Union[Replica, DecodeSe
         gw.metrics.requests.labels(request.url.path, str(exc.status)).inc()
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):  # unknown path, wrong method: OpenAI-style
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        err = api.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", None, code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)  # not counted: any path
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -15,11 +15,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adaptive_eagle.trace import SamplingParams
 
 PLAIN = "none"  # the head version of plain decoding (same label as the registry and the policy)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a sampling seed is a signed 64-bit integer (torch.Generator, the store)
+# Sampling parameters too close to their limit for float32 logits decode as that limit: a temperature this small
+# is greedy decoding (smaller ones overflow logits / temperature), a top_p this small keeps the top token alone
+# (as any smaller one would; below float32's smallest number it would keep none and sample from NaNs).
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 class DecodeRequest(BaseModel):
@@ -31,16 +37,26 @@ class DecodeRequest(BaseModel):
     request_id: str = Field(..., min_length=1, description="unique id (also the trace's request_id)")
     messages: Optional[tuple[dict[str, str], ...]] = Field(None, description="chat messages {role, content}")
     prompt: Optional[Union[str, tuple[int, ...]]] = Field(None, description="raw text or token ids")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(0.0, ge=0.0, description=f"0 = greedy (so is anything below {MIN_TEMPERATURE:g})")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description=f"nucleus mass (below {MIN_TOP_P:g}: the top token alone)")
     top_k: int = Field(0, ge=0, description="0 = off")
     max_tokens: int = Field(256, ge=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX, description="sampling seed (None: from the clock)")
     stop: tuple[str, ...] = Field((), description="stop strings; not included in the output")
     tenant: str = Field("default", min_length=1)
     domain: Optional[str] = Field(None, description="domain tag carried into the trace (code, math, ...)")
     capture: bool = Field(True, description="False: the request opted out; never stored, never indexed")
     head: Optional[str] = Field(None, description="routing only: the head version the caller asked for")
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_near_zero(cls, temperature: float) -> float:
+        return 0.0 if temperature < MIN_TEMPERATURE else temperature
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_token_near_zero(cls, top_p: float) -> float:
+        return max(top_p, MIN_TOP_P)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,

@@ -1,14 +1,17 @@
 """The OpenAI-compatible surface: request bodies in, response and SSE chunk bodies out, errors.
 
 Owns: parsing `/v1/chat/completions` and `/v1/completions` bodies into a `DecodeRequest` with clear
-4xx errors (OpenAI error body naming the field and the allowed range), the response and chunk JSON,
-the `adaptive_eagle` extra field. Must not touch: routing, replicas, auth (gateway.py).
+4xx errors (OpenAI error body naming the field and the allowed range; a body that is not JSON, nests too
+deep or holds a lone UTF-16 surrogate is a 400 too), the response and chunk JSON, the `adaptive_eagle` extra
+field. Must not touch: routing, replicas, auth (gateway.py).
 
 Extras beyond the OpenAI API (documented for clients):
 - request `metadata` keys: `capture` (false: never stored, never used to draft other requests),
   `tenant`, `domain` (a tag carried into the trace, e.g. code, math), `head` (serve this request
   with that head version: replicas serving it must exist);
 - request `top_k` (0 = off);
+- request `seed`: a signed 64-bit integer; a `temperature` below messages.MIN_TEMPERATURE decodes greedily and a
+  `top_p` below messages.MIN_TOP_P keeps the top token alone (their limits; float32 logits hold no smaller ones);
 - response field `adaptive_eagle` (top level of a response and of the final SSE chunk):
   head_version, accept_length (tokens per verify step, bonus included), verify_steps, draft_tokens,
   accepted_drafts, backend, replica, elapsed_s, tpot_s, tokens_per_s, captured, domain.
@@ -17,24 +20,39 @@ Extras beyond the OpenAI API (documented for clients):
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
-from serving.messages import DecodeRequest, Finished
+from serving.messages import SEED_MAX, SEED_MIN, DecodeRequest, Finished
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error"}
+               404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+               413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 UNSUPPORTED = {"logprobs": "logprobs are not returned", "top_logprobs": "logprobs are not returned",
                "echo": "echo is not supported", "tools": "tool calls are not supported",
                "functions": "function calls are not supported", "suffix": "suffix is not supported"}
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _printable(text: str) -> str:
+    """`text` with lone UTF-16 surrogates escaped (`\\ud800`): an error body must encode as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ApiError(Exception):
+    """An error answered as an OpenAI error body. The message starts with `param`, the field at fault,
+    when there is one (prefixed when it does not already)."""
+
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: str = "invalid_request") -> None:
+        param, message = None if param is None else _printable(param), _printable(message)
+        message = message if param is None or message.startswith(param) else f"{param}: {message}"
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -58,6 +76,14 @@ class _Body(BaseModel):
     metadata: Optional[dict[str, Any]] = None
     user: Optional[str] = None
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, seed: Optional[int]) -> Optional[int]:
+        if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+            raise PydanticCustomError("seed_range", "must be a signed 64-bit integer, in [{lo}, {hi}]; got {seed}",
+                                      {"lo": SEED_MIN, "hi": SEED_MAX, "seed": seed})
+        return seed
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -79,22 +105,65 @@ class CompletionBody(_Body):
 
 
 def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object whose strings are all text (no lone surrogate), else a 400."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: nested too deeply", None, "invalid_json") from None
+    except ValueError as e:  # malformed, not UTF-8/16/32, or an integer of more digits than Python converts
         raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    if (where := _lone_surrogate(body)) is not None:
+        raise ApiError(400, f"{where}: holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape without its pair), "
+                            "which is not text", where, "invalid_value")
     return body
 
 
+def _lone_surrogate(body: dict) -> Optional[str]:
+    """The path (`messages.0.content`) of a key or string in a decoded JSON body holding a lone UTF-16
+    surrogate, else None. JSON lets `"\\ud800"` through; no tokenizer and no UTF-8 encoder takes it."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:  # iterative: a body as deep as the JSON decoder allows must not overflow the stack here
+        path, value = todo.pop()
+        if isinstance(value, str) and _SURROGATE.search(value):
+            return path
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            name = str(key) or '""'  # an empty key, named as JSON spells it
+            where = f"{path}.{name}" if path else name
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return where
+            todo.append((where, item))
+    return None
+
+
 def validate_body(model: type[BaseModel], body: dict):
+    """`body` as `model`, else a 400 naming the first field at fault (and its allowed range, if it has one)."""
     try:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param, "invalid_value") from None
+        param = ".".join(str(p) or '""' for p in err["loc"]) or None
+        allowed = _allowed_range(model, err["loc"])
+        message = err["msg"] if allowed is None else f"{err['msg']} (allowed: {allowed})"
+        raise ApiError(400, f"{param}: {message}" if param else message, param, "invalid_value") from None
+
+
+def _allowed_range(model: type[BaseModel], loc: tuple) -> Optional[str]:
+    """The numeric range of a top-level field with bounds, as an interval ("[0.0, 1.0]"), else None."""
+    info = model.model_fields.get(loc[0]) if len(loc) == 1 else None
+    if info is None:
+        return None
+    lo, hi = "(-inf", "inf)"
+    for m in info.metadata:
+        for name, fmt in (("ge", "[{}"), ("gt", "({}")):
+            if getattr(m, name, None) is not None:
+                lo = fmt.format(getattr(m, name))
+        for name, fmt in (("le", "{}]"), ("lt", "{})")):
+            if getattr(m, name, None) is not None:
+                hi = fmt.format(getattr(m, name))
+    return None if (lo, hi) == ("(-inf", "inf)") else f"{lo}, {hi}"
 
 
 def _flag(value: Any) -> bool:

@@ -109,7 +109,8 @@ def test_models_health_and_api_keys(gateway, client):
 
 @pytest.mark.parametrize("kw,param", [
     (dict(temperature=-0.5), "temperature"), (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=65), "max_tokens"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(n=2), "n"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(n=2), "n"), (dict(seed=2**64), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
 ])
 def test_bad_parameters_are_a_400_naming_the_field(client, kw, param):
     args = {"temperature": 0, "max_tokens": 8, **kw}
@@ -145,6 +146,49 @@ def test_admin_endpoints_refuse_a_missing_or_wrong_token(gateway):
     assert ok.status_code == 200 and {r["head_version"] for r in ok.json()["replicas"]} == {"v1"}
 
 
+def test_a_seed_names_its_range_and_sampling_limits_decode(client):
+    """The seed is a signed 64-bit integer (torch.Generator took a larger one as a 500); a temperature or top_p
+    too small for float32 logits decodes as its limit (greedy; the top token alone) instead of failing."""
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**ask, temperature=0.7, seed=2**64)
+    assert err.value.body["param"] == "seed" and str(2**63 - 1) in err.value.body["message"]
+    assert client.chat.completions.create(**ask, temperature=0.7, seed=2**63 - 1).choices[0].message.content
+    greedy = chat(client, PROMPTS[0], 4).choices[0].message.content
+    assert client.chat.completions.create(**ask, temperature=1e-300, seed=1).choices[0].message.content == greedy
+    assert client.chat.completions.create(**ask, temperature=1.0, top_p=5e-324, seed=1).choices[0].message.content
+
+
+def test_non_ascii_bearer_tokens_are_refused_and_a_utf8_key_matches(gateway, stack):
+    """hmac.compare_digest refuses a str holding non-ASCII characters: such a header was a 500. Tokens are
+    compared as the bytes sent, against the configured secret's UTF-8 bytes."""
+    url, _ = gateway
+    for raw in (b"Bearer \xc3\xa9", b"Bearer " + KEY.encode() + b"\xff", b"Bearer \xe9x"):
+        assert httpx.get(url + "/v1/models", headers={"Authorization": raw}).status_code == 401, raw
+        r = httpx.get(url + "/admin/status", headers={"Authorization": raw})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "invalid_admin_token", raw
+    server = stack.server("v1", "utf8-keys")  # served over HTTP: TestClient re-encodes header bytes as UTF-8
+    thread = GatewayThread(create_app(config(replicas=1, api_keys=("cl\u00e9",), admin_token="jeton-\u00e0"),
+                                      [server]))
+    url = thread.start()
+    try:
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer cl\u00e9".encode()}).status_code == 200
+        assert httpx.get(url + "/v1/models", headers={"Authorization": b"Bearer cl\xe9"}).status_code == 401  # latin-1
+        ok = httpx.get(url + "/admin/status", headers={"Authorization": "Bearer jeton-\u00e0".encode()})
+        assert ok.status_code == 200  # its last byte, 0xa0, is no blank to trim
+    finally:
+        thread.stop()
+        server.close()
+
+
+def test_unknown_paths_and_methods_answer_openai_error_bodies(gateway):
+    url, _ = gateway
+    r = httpx.get(url + "/v1/nowhere")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found" and "/v1/nowhere" in r.text
+    r = httpx.get(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed" and "POST" in r.headers["allow"]
+
+
 def admin(url, path, body):
     return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
 
@@ -175,6 +219,7 @@ def test_swaps_during_concurrent_requests_fail_none_and_keep_greedy_output(gatew
     assert gw.router.serving_versions() == ["v2"]
     refused = admin(url, "/admin/swap", {"version": "v9"})
     assert refused.status_code == 409 and "no such version" in refused.json()["results"][0]["message"]
+    assert refused.json()["error"]["code"] == "swap_refused" and "v9" in refused.json()["error"]["message"]
     assert gw.router.serving_versions() == ["v2"]
     assert chat(client, PROMPTS[0]).adaptive_eagle["head_version"] == "v2"
     assert admin(url, "/admin/swap", {"version": "v1"}).status_code == 200
