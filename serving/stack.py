@@ -1,10 +1,10 @@
 """LocalStack: the whole loop from one StackConfig — what `adaptive-eagle up` runs.
 
 Owns: the order of starting and stopping, as named steps: the config check (stack_check.py, nothing starts
-when a stage could not work) → state dir and registry → admin token →
-store → Ray → server replicas (ServerActors) → gateway (uvicorn) → load signal → trainer
-(TrainerActor) → policy (PolicyActor + CandidateFeed); stop runs them backwards. Also `StackInfo`,
-where everything is. Must not touch: what each part does (serving, trainer, policies own that).
+when a stage could not work) → state dir and registry → admin token → store → Ray → server replicas
+(ServerActors) → gateway (uvicorn) → load signal → trainer (TrainerActor) → policy (PolicyActor +
+CandidateFeed) → the loop's metrics (loop_metrics.py); stop runs them backwards. Also `StackInfo`, where
+everything is. Must not touch: what each part does (serving, trainer, policies own that).
 
 Where the policy runs: in the gateway's process, on an event loop thread of its own. The fleet it
 drives (GatewayFleet: the router, the canary, the live samples) lives in the gateway, and is not
@@ -82,7 +82,7 @@ class LocalStack:
         self._threads: list[threading.Thread] = []
         self._policy_loop: Optional[asyncio.AbstractEventLoop] = None
         self._policy_stop: Optional[asyncio.Event] = None
-        self.registry = self.serving = self.signal = None
+        self.registry = self.serving = self.signal = self.watcher = None
         self.admin_token_source = "config"
         self.dashboard: Optional[str] = None
 
@@ -97,7 +97,7 @@ class LocalStack:
             self.echo(f"config check: {note}")
         try:
             for step in (self._state, self._admin_token, self._store, self._ray, self._replicas, self._gateway,
-                         self._load_signal, self._trainer, self._policy):
+                         self._load_signal, self._trainer, self._policy, self._watch):
                 step()
         except BaseException:
             self.stop()
@@ -231,6 +231,26 @@ class LocalStack:
         self._spawn(lambda: asyncio.run(main()), "policy")
         ready.wait(10)
 
+    def _watch(self) -> None:
+        """The loop's own metrics on the gateway's /metrics (loop_metrics.py): trainer, candidates, policy."""
+        from serving.loop_metrics import LoopCollector, LoopWatcher, newest_candidate_time, newest_log_event
+
+        trainer, c = self.trainer, self.config
+
+        def trainer_status() -> dict:
+            import ray
+
+            return ray.get(trainer.status.remote(), timeout=10)
+
+        policy_thread = next((t for t in self._threads if t.name == "policy"), None)
+        self.watcher = LoopWatcher(
+            trainer_status=trainer_status if trainer is not None else None,
+            candidate_time=lambda: newest_candidate_time(self.registry),
+            last_event=lambda: newest_log_event(c.promotion_log),
+            policy_running=lambda: policy_thread is not None and policy_thread.is_alive())
+        self.watcher.start()
+        self.app.state.gateway.metrics.registry.register(LoopCollector(self.watcher))
+
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
@@ -239,12 +259,16 @@ class LocalStack:
     # ---- stop -------------------------------------------------------------------------------------
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop everything that started, backwards; each step's failure is logged and the next one runs."""
-        for step in (self._stop_policy, self._stop_gateway, self._stop_trainer, self._stop_replicas,
+        for step in (self._stop_watch, self._stop_policy, self._stop_gateway, self._stop_trainer, self._stop_replicas,
                      self._stop_ray):
             try:
                 step(timeout_s)
             except Exception:  # noqa: BLE001 - shutting down: carry on with the rest
                 log.exception("stack: %s failed", step.__name__)
+
+    def _stop_watch(self, timeout_s: float) -> None:
+        if self.watcher is not None:
+            self.watcher.stop(timeout_s)
 
     def _stop_policy(self, timeout_s: float) -> None:
         loop, stop = self._policy_loop, self._policy_stop

@@ -66,10 +66,17 @@ def test_cluster_nodes_run_python_3_11_and_a_second_ray_up_replaces_the_stack():
 
 
 def exported_metrics() -> set[str]:
+    """Every metric name the gateway's /metrics can show: its own, and the loop's (stack: trainer, policy)."""
+    from serving.loop_metrics import LoopCollector, LoopWatcher
     from serving.metrics import GatewayMetrics
 
+    metrics = GatewayMetrics()
+    watcher = LoopWatcher(trainer_status=lambda: {"state": "training"}, candidate_time=lambda: 0.0,
+                          last_event=lambda: {"event": "promoted", "at": 0.0}, policy_running=lambda: True)
+    watcher.poll()
+    metrics.registry.register(LoopCollector(watcher))
     names = set()
-    for family in GatewayMetrics().registry.collect():
+    for family in metrics.registry.collect():
         kind = family.type
         suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",)}.get(kind, ("",))
         names.update(family.name + s for s in suffixes)

@@ -181,6 +181,16 @@ def test_the_stack_serves_captures_canaries_a_candidate_and_stops_cleanly(ray_se
         assert heads == {"v1", "c1"}  # one replica, the candidate decodes its share of requests
         log = [json.loads(line) for line in open(info.promotion_log)]
         assert [e["event"] for e in log if e.get("candidate") == "c1"][:2] == ["considered", "canary_started"]
+        # the loop's own metrics: the trainer steps or waits, the policy runs, its last decision is on /metrics
+        def decided():
+            text = httpx.get(base + "/metrics", timeout=30).text
+            return text if 'ae_policy_last_decision{action="promote",candidate="c1",event="canary_started"} 1.0' \
+                in text else None
+
+        metrics = wait_for(decided)
+        assert metrics and "ae_trainer_healthy 1.0" in metrics and "ae_policy_running 1.0" in metrics, metrics
+        assert "ae_trainer_last_step_age_seconds" in metrics and 'ae_capture_store_state{replica="replica-0",state="ok"}' \
+            in metrics
     finally:
         local.stop()
     assert local.trainer is None and local.replicas == [] and not (cfg.state_path / "load.json").exists()
