@@ -134,7 +134,9 @@ def build_rows(workload: str, targets: dict, default_mode: str, head, version: s
 
 
 def _differs(toks: list[int], ref: list[int]) -> bool:
-    return toks[: len(ref)] != ref[: len(toks)]
+    """Any difference is a mismatch: other tokens, or fewer or more of them (an output that stops early, or is
+    only a prefix of plain greedy decoding's, is not the same output)."""
+    return toks != ref
 
 
 def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, max_new: int) -> dict:
