@@ -56,7 +56,8 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     """[R, V] logits -> the target's sampling distribution (temperature > 0, then top-k, then top-p)."""
     if temperature <= 0:
         raise ValueError("sampling_probs needs temperature > 0; use verify_greedy for greedy decoding")
-    z = logits.float() / temperature
+    z = logits.float()
+    z = (z - z.amax(-1, keepdim=True)) / temperature  # shifted first: a tiny temperature gives -inf, never inf - inf
     if top_k and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
@@ -64,6 +65,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
     if top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # keep the smallest prefix reaching top_p
+        keep[..., 0] = True  # and the top token always (a top_p below float32's smallest value compares as 0)
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -97,3 +97,16 @@ def test_sampling_detects_a_biased_sampler():
         else:
             counts[int(torch.multinomial(p, 1, generator=gen))] += 1
     assert stats.chisquare(counts.numpy(), (p * n).numpy()).pvalue < 1e-6
+
+
+def test_sampling_probs_at_extreme_settings_stay_a_distribution():
+    """A temperature so small that logits / temperature overflows float32, and a top_p below every probability:
+    the top token alone, never NaN."""
+    from adaptive_eagle.verify import sampling_probs
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -float("inf")], [0.5, 0.1, 0.4, 0.2]])
+    for temperature, top_p in ((1e-30, 1.0), (1e-6, 1.0), (1.0, 1e-300), (1e-30, 1e-300)):
+        p = sampling_probs(logits, temperature, top_p)
+        assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2))
+        assert p.argmax(-1).tolist() == [1, 0] and p.max(-1).values.min() > 0.99
+    torch.testing.assert_close(sampling_probs(logits, 0.7), torch.softmax(logits / 0.7, -1))
