@@ -161,6 +161,7 @@ class LocalStack:
         kw = {"address": c.ray.address} if c.ray.address else {"num_cpus": c.ray.num_cpus or os.cpu_count()}
         if not c.ray.address:
             kw["include_dashboard"] = None if c.ray.dashboard else False
+            kw["_system_config"] = {"worker_niceness": c.ray.worker_niceness}
         ctx = ray.init(log_to_driver=True, configure_logging=False, **kw)
         self.ray_owned = True
         url = getattr(ctx, "dashboard_url", None)

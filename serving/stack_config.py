@@ -50,6 +50,10 @@ class RaySection(_Section):
     replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per "
                                                 "replica actor (place replicas on node types that advertise them)")
     replicas_as_actors: bool = Field(True, description="False: replicas run inside the gateway's process")
+    worker_niceness: int = Field(0, ge=0, le=19, description="CPU niceness of the Ray workers (replicas, trainer) "
+                                 "when the stack starts Ray itself. Ray's own default, 15, lets any other process on "
+                                 "the machine take the cores from the servers; 0 serves at normal priority (the "
+                                 "trainer still yields to queued requests)")
     replica_max_restarts: int = Field(3, ge=-1, le=1000, description="Ray restarts a replica actor whose process "
                                       "died this often (it comes back serving the registry's champion; requests "
                                       "in flight on it get an error); -1: without limit")

@@ -22,6 +22,9 @@ def ray_session():
     """One local Ray instance for the whole test session (starting Ray costs ~3 s and ~1 GiB here).
     Tests that need Ray take this fixture; none of them calls ray.init/shutdown itself."""
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # workers at normal priority, as the stack starts them (Ray's default niceness 15 starves actors whenever
+    # another job shares the machine, and the tests would measure that instead of what they check)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _system_config={"worker_niceness": 0})
     yield ray
     ray.shutdown()

@@ -61,8 +61,8 @@ REPLICAS = 2
 CLIENTS = 3
 LIVE_PROMPTS = 24
 OFFLINE_RECORDS = 30
-ROUTER_WAIT_S = 10.0  # a request waiting longer for a replica gets 429 (a failure)
-DEADLINE_S = 90.0  # per stage: a stuck stage fails the test instead of hanging it
+ROUTER_WAIT_S = 300.0  # a request waiting longer for a replica gets 429 (a failure): only a hung replica
+DEADLINE_S = 600.0  # per stage: a stuck stage fails the test instead of hanging it (never a speed verdict)
 POLICY = {"tail_quantile": 0.25, "min_samples": 20, "min_domain_samples": 5, "canary_fraction": 0.5,
           "canary_min_requests": 20, "rollback_window": 20, "collapse_min_requests": 8, "collapse_accept_length": 1.1,
           "bootstrap_resamples": 500}
