@@ -18,6 +18,19 @@ from adaptive_eagle.trace import TraceRecord, VerifyStep
 from feature_store.config import StoreConfig
 
 
+class StubBackend:
+    """The housekeeping of a backend a writer test stands in for (counters, retention, close): nothing to do.
+    Test stores subclass it and define `append` and `ping`, the calls the test is about."""
+
+    def add_counters(self, deltas):
+        pass
+
+    def maintain(self):
+        pass
+
+    def close(self):
+        pass
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,10 +10,10 @@ from feature_store.backend import StoreRejected, StoreUnavailable
 from feature_store.local import LocalBackend
 from feature_store.reader import StoreReader
 from feature_store.writer import DROP_REASONS, StoreWriter, write_records
-from tests.feature_store.conftest import make_record, wait_until
+from tests.feature_store.conftest import StubBackend, make_record, wait_until
 
 
-class SlowBackend:
+class SlowBackend(StubBackend):
     """A store that hangs on every write until released, then fails `fail` times."""
 
     def __init__(self, fail: int = 0):
@@ -34,15 +34,6 @@ class SlowBackend:
         if self.fail > 0:
             self.fail -= 1
             raise StoreUnavailable("still down")
-
-    def add_counters(self, deltas):
-        pass
-
-    def maintain(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def test_opted_out_requests_are_never_stored(local_cfg):
@@ -119,7 +110,7 @@ def test_write_records_stores_every_record_or_says_how_many_were_lost(local_cfg)
         write_records(cfg, [make_record(5), make_record(6, capture_consent=False)])
 
 
-class RefusingBackend:
+class RefusingBackend(StubBackend):
     """A store that answers but raises `error` on every write while it is set (None: takes every write)."""
 
     def __init__(self, error: Exception | None = None):
@@ -134,15 +125,6 @@ class RefusingBackend:
 
     def ping(self):
         self.pings += 1  # answers even while writes are refused, like Redis under OOM or READONLY
-
-    def add_counters(self, deltas):
-        pass
-
-    def maintain(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def test_a_refused_write_means_erroring_one_probe_per_backoff_and_ok_again_when_it_is_taken(local_cfg):

@@ -6,23 +6,14 @@ from feature_store.config import StoreConfig
 from feature_store.writer import StoreWriter
 from serving.messages import ServerStatus
 from serving.metrics import GatewayMetrics
-from tests.feature_store.conftest import make_record, wait_until
+from tests.feature_store.conftest import StubBackend, make_record, wait_until
 
 
-class RefusingStore:
+class RefusingStore(StubBackend):
     def append(self, payloads):
         raise StoreRejected("redis refused the write: OOM command not allowed when used memory > 'maxmemory'.")
 
     def ping(self):
-        pass
-
-    def add_counters(self, deltas):
-        pass
-
-    def maintain(self):
-        pass
-
-    def close(self):
         pass
 
 
