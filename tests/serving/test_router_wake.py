@@ -13,7 +13,7 @@ class _Replica:
 def test_a_request_waiting_across_a_promotion_is_served():
     async def scenario():
         a, b = _Replica(), _Replica()
-        router = Router([a, b], ["v1", "v2"], queue_size=4, wait_timeout_s=2.0)
+        router = Router([a, b], ["v1", "v2"], queue_size=4, wait_timeout_s=60.0)
         router.canary = Canary("v2", 0.0)  # every new request goes to the champion's replica (v1)
         async with router.lease() as first:
             assert first.version == "v1"
@@ -23,7 +23,9 @@ def test_a_request_waiting_across_a_promotion_is_served():
             router.set_version(a, "v2")  # promotion: both replicas serve v2, the canary ends
             router.canary = None
             await router.fleet_changed()
-            assert await asyncio.wait_for(waiter, 1.0) == "v2"
+            # without the wake the waiter stays queued while v1's replica is leased: the wait below times out.
+            # 30 s only stops that case; a loaded machine is never that slow to run the woken coroutine
+            assert await asyncio.wait_for(waiter, 30.0) == "v2"
 
     asyncio.run(scenario())
 
