@@ -158,15 +158,24 @@ class Router:
                 if self.waiting >= self.queue_size:
                     raise QueueFull(f"all {sum(map(eligible, self.slots))} eligible replicas are busy and "
                                     f"{self.waiting} requests already wait (queue_size {self.queue_size}); retry later")
+                deadline = asyncio.get_running_loop().time() + self.wait_timeout_s
                 self.waiting += 1
                 try:
-                    await asyncio.wait_for(self._cond.wait_for(lambda: self._free(eligible) is not None),
-                                           self.wait_timeout_s)
-                except asyncio.TimeoutError:
-                    raise QueueFull(f"no replica became free within {self.wait_timeout_s:g} s; retry later") from None
+                    # a fleet change can land between the wake (a slot was free and eligible) and this task
+                    # resuming, so the slot is looked up again and the wait repeats until one is really free
+                    while slot is None:
+                        left = deadline - asyncio.get_running_loop().time()
+                        try:
+                            if left <= 0:
+                                raise asyncio.TimeoutError
+                            await asyncio.wait_for(self._cond.wait_for(lambda: self._free(eligible) is not None),
+                                                   left)
+                        except asyncio.TimeoutError:
+                            raise QueueFull(f"no replica became free within {self.wait_timeout_s:g} s; "
+                                            "retry later") from None
+                        slot = self._free(eligible)
                 finally:
                     self.waiting -= 1
-                slot = self._free(eligible)
             slot.busy = True
         try:
             yield slot

@@ -33,3 +33,28 @@ def test_a_request_waiting_across_a_promotion_is_served():
 async def _lease_version(router):
     async with router.lease() as slot:
         return slot.version
+
+
+def test_a_waiter_whose_woken_slot_turns_ineligible_waits_again_instead_of_failing():
+    """A fleet change can land between the wake (the freed slot was eligible) and the waiter resuming;
+    the waiter must queue again for an eligible slot, not fail the request (it was a 500 in a live fleet)."""
+    async def scenario():
+        a, b = _Replica(), _Replica()
+        router = Router([a, b], ["v1", "v2"], queue_size=4, wait_timeout_s=60.0)
+        router.canary = Canary("v2", 0.0)  # champion requests go to v1's replica only
+        lease = router.lease()
+        slot = await lease.__aenter__()
+        assert slot.version == "v1"
+        waiter = asyncio.create_task(_lease_version(router))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        await lease.__aexit__(None, None, None)  # frees v1's replica: the waiter's wait ends
+        await asyncio.sleep(0)  # the waiter's wake runs and sees v1's replica free ...
+        router.set_version(a, "v2")  # ... then a swap turns it into a canary replica before the waiter resumes
+        await asyncio.sleep(0.05)
+        assert not waiter.done(), waiter  # no slot it may use: it waits (before: AttributeError on a None slot)
+        router.set_version(a, "v1")  # the swap rolled back
+        await router.fleet_changed()
+        assert await asyncio.wait_for(waiter, 30.0) == "v1"
+
+    asyncio.run(scenario())
