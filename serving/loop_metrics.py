@@ -17,6 +17,9 @@ Metrics (every gauge; ages in seconds):
     ae_trainer_last_step_age_seconds    since the trainer's last optimizer step (since the stack started when
                                         it has not stepped yet)
     ae_trainer_records_seen             records the trainer has read from the store
+    ae_trainer_restarts_total           trainer processes that replaced an earlier one (Ray restarted the actor
+                                        after its process ended: a crash, a fatal loop error, a kill), counted
+                                        from the first status with a new pid since the gateway started
     ae_candidate_last_age_seconds       since the newest candidate the trainer wrote (absent: none yet)
     ae_policy_running                   1 while the policy's loop runs
     ae_policy_last_decision_age_seconds since the promotion log's newest event
@@ -54,6 +57,7 @@ class LoopSnapshot:
     last_event: Optional[dict] = None  # the promotion log's newest event (event, candidate, action, at)
     policy_running: bool = False
     poll_errors: dict = field(default_factory=dict)  # part -> failed polls
+    trainer_restarts: int = 0  # the trainer answered from a new process
 
 
 class LoopWatcher:
@@ -70,6 +74,7 @@ class LoopWatcher:
         self._snap = LoopSnapshot(started_at=clock(), trainer_enabled=trainer_status is not None)
         self._lock = threading.Lock()
         self._failing: set[str] = set()
+        self._trainer_pid: Optional[int] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -94,7 +99,15 @@ class LoopWatcher:
             s = self._snap
             for part, n in errors.items():
                 s.poll_errors[part] = s.poll_errors.get(part, 0) + n
-            s.trainer = values.get("trainer")
+            trainer = values.get("trainer")
+            pid = (trainer or {}).get("pid")
+            if pid is not None:
+                if self._trainer_pid is not None and pid != self._trainer_pid:
+                    s.trainer_restarts += 1
+                    log.warning("loop metrics: the trainer answers from a new process (pid %s, was %s): it restarted",
+                                pid, self._trainer_pid)
+                self._trainer_pid = pid
+            s.trainer = trainer
             s.candidate_at = values.get("registry")
             s.last_event = values.get("promotion_log")
             s.policy_running = bool(values.get("policy"))
@@ -103,7 +116,8 @@ class LoopWatcher:
     def snapshot(self) -> LoopSnapshot:
         s = self._snap
         return LoopSnapshot(s.started_at, dict(s.trainer) if s.trainer else None, s.trainer_enabled, s.candidate_at,
-                            dict(s.last_event) if s.last_event else None, s.policy_running, dict(s.poll_errors))
+                            dict(s.last_event) if s.last_event else None, s.policy_running, dict(s.poll_errors),
+                            s.trainer_restarts)
 
     def start(self) -> None:
         self.poll()
@@ -166,7 +180,7 @@ class LoopCollector:
         return []  # families are built at collect time; nothing to pre-register
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s, now = self.watcher.snapshot(), self.watcher.clock()
         state = "off" if not s.trainer_enabled else trainer_state_class(s.trainer.get("state") if s.trainer else None)
@@ -183,6 +197,8 @@ class LoopCollector:
         yield GaugeMetricFamily("ae_trainer_records_seen", "Records the trainer has read from the store",
                                 value=float(t.get("records_seen") or 0))
         if s.trainer_enabled:
+            yield CounterMetricFamily("ae_trainer_restarts", "Trainer processes that replaced an earlier one (Ray "
+                                      "restarted the actor) since the gateway started", value=float(s.trainer_restarts))
             stepped = t.get("last_step_at") or s.started_at
             yield GaugeMetricFamily("ae_trainer_last_step_age_seconds", "Seconds since the trainer's last step",
                                     value=max(0.0, now - float(stepped)))

@@ -5,7 +5,7 @@ Owns: building the trainer inside the actor's process, running its loop on a thr
 from the moment the actor starts (so an actor that Ray restarts after a crash, `max_restarts`,
 resumes from its last checkpoint by itself), ending the process when that loop ends with an error
 (the loop rides out store errors itself; what reaches here it cannot handle, and only a dead process
-makes Ray restart the actor), and exposing `status`, `events` and `stop` as async methods that answer
+makes Ray restart the actor), and exposing `status`, `events`, `stop` and `inject_fault` (rehearsals) as async methods that answer
 while a step runs. Must not touch: anything but forwarding and that one fault.
 """
 
@@ -75,6 +75,10 @@ class TrainerActor:
 
     async def events(self, last: int = 50) -> list[str]:
         return list(self.trainer.events)[-last:]
+
+    async def inject_fault(self, message: str = "fault injected into a trainer step") -> None:
+        """Fault injection (rehearsals): the next step raises, which ends this process like any bug in a step."""
+        self.trainer.inject_step_fault(message)
 
     async def stop(self, timeout_s: float = 60.0) -> dict:
         """Stop after the current step, checkpoint, and return the final status."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -65,6 +66,10 @@ STATE = "state"
 SEEN_REQUESTS = 50_000  # request ids remembered for de-duplication across restarts
 
 
+class InjectedFault(RuntimeError):
+    """Raised by a step that `inject_step_fault` armed (rehearsals inject it; nothing else raises it)."""
+
+
 def is_heldout(request_id: str, percent: int) -> bool:
     """Stable split by request id: the same record is held out in every process and after restarts."""
     return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) % 100 < percent
@@ -94,6 +99,8 @@ class TrainerStatus:
     errors_total: int = 0  # errors the loop met in this process (store errors ridden out, and a fatal one)
     last_error: str | None = None  # "<type>: <message>" of the latest
     last_step_at: float | None = None  # unix seconds of the latest optimizer step in this process (None: none yet)
+    pid: int | None = None  # the process the trainer runs in: a new one after Ray restarted the actor
+
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -135,6 +142,7 @@ class NearlineTrainer:
         self._yield_since: float | None = None  # when the current stretch of yielding to requests began
         self.state = "starting"
         self.errors_total, self.last_error, self.last_step_at = 0, None, None
+        self._step_fault: str | None = None  # inject_step_fault: the next step raises this
         self._store_errors = 0  # store errors in a row (the backoff's exponent)
         self._degraded_since: float | None = None  # unix seconds of the first of them
         self.events: deque[str] = deque(maxlen=200)  # drift and candidate lines, newest last
@@ -311,6 +319,9 @@ class NearlineTrainer:
         else:  # idle: another pass over earlier traffic
             replayed = self._replay_only()
         rows = [self._row(r) for _, r in fresh] + [self._row(r) for r in replayed]
+        if self._step_fault is not None:
+            message, self._step_fault = self._step_fault, None
+            raise InjectedFault(message)
         self.state = "training"
         if self.moe is not None and (grown := self.moe.grow(self.head, self.target)) is not None:
             self._set_head(grown.head.float().train())  # a new optimizer over the grown head's parameters
@@ -338,6 +349,11 @@ class NearlineTrainer:
             self.counters["records_trained"] += 1
             self._widen_window(rec)
         return stats
+
+    def inject_step_fault(self, message: str) -> None:
+        """Fault injection for rehearsals: the next step raises InjectedFault(message) after taking its records,
+        as a bug in a step would (the loop ends, the process with it, and the records come again)."""
+        self._step_fault = message
 
     def _step_data_parallel(self, rows: list[TrafficRow], step: int) -> tuple[StepStats, int, int]:
         """The step on the worker group (started at the first call; given the head whenever it changed)."""
@@ -622,7 +638,7 @@ class NearlineTrainer:
             buffer=self.buffer.domains(), skipped=dict(c["skipped"]), duplicates=c["duplicates"],
             regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state,
             moe=self.moe.status() if self.moe is not None else None, errors_total=self.errors_total,
-            last_error=self.last_error, last_step_at=self.last_step_at)
+            last_error=self.last_error, last_step_at=self.last_step_at, pid=os.getpid())
 
     def close(self) -> None:
         if self.data_parallel is not None:
@@ -631,4 +647,4 @@ class NearlineTrainer:
         self.reader.close()
 
 
-__all__ = ["NearlineTrainer", "TrainerStatus", "is_heldout"]
+__all__ = ["InjectedFault", "NearlineTrainer", "TrainerStatus", "is_heldout"]

@@ -36,7 +36,7 @@ def test_trainer_states_reduce_to_one_label():
 
 def test_ages_grow_at_scrape_time_and_a_silent_trainer_is_unreachable(tmp_path):
     clock = Clock()
-    status = {"state": "training", "last_step_at": clock.now - 5, "errors_total": 2, "records_seen": 40}
+    status = {"state": "training", "last_step_at": clock.now - 5, "errors_total": 2, "records_seen": 40, "pid": 100}
     answering = {"on": True}
 
     def trainer():
@@ -65,6 +65,11 @@ def test_ages_grow_at_scrape_time_and_a_silent_trainer_is_unreachable(tmp_path):
     w.poll()
     m = scrape(w)
     assert m["ae_trainer_healthy"] == 0.0 and m['ae_trainer_state{state="degraded"}'] == 1.0
+    assert m["ae_trainer_restarts_total"] == 0.0  # unreachable, then the same process again: no restart
+    status["pid"] = 101  # Ray restarted the actor: a new process answers
+    w.poll()
+    w.poll()
+    assert scrape(w)["ae_trainer_restarts_total"] == 1.0
 
 
 def test_no_trainer_reads_off_and_the_log_tail_gives_the_newest_event(tmp_path):

@@ -92,3 +92,25 @@ def test_ray_restarts_a_trainer_whose_loop_failed_and_it_resumes(ray_session, tm
     assert any("resumed from checkpoint" in e for e in ray_session.get(actor.events.remote()))
     assert ray_session.get(actor.stop.remote())["state"] == "stopped"
     ray_session.kill(actor)
+
+
+def test_an_injected_step_fault_ends_the_loop_like_a_bug_in_a_step(tmp_path, world):  # noqa: F811
+    """inject_fault (rehearsals) arms the next step to raise: the loop ends through on_fatal, as a real bug would."""
+    import os
+
+    from trainer.nearline import InjectedFault
+
+    cfg, _ = setup_run(tmp_path, world, poll_ms=20)
+    fatal: list[BaseException] = []
+    ended = threading.Event()
+    actor = TrainerActor(cfg.model_dump_json(), tiny_builder, on_fatal=lambda e: (fatal.append(e), ended.set()))
+    try:
+        assert asyncio.run(actor.status())["pid"] == os.getpid()
+        asyncio.run(actor.inject_fault("rehearsal: step fault"))
+        assert ended.wait(300), "on_fatal was not called"
+        actor._thread.join(60)
+        assert len(fatal) == 1 and isinstance(fatal[0], InjectedFault)
+        status = asyncio.run(actor.status())
+        assert status["state"] == "error: InjectedFault: rehearsal: step fault"
+    finally:
+        actor._stop.set()
