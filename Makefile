@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup demo test test-loaded test-fast bench redis-server clean
+.PHONY: setup demo test test-loaded test-fast bench redis-server prometheus clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ redis-server:
 	@command -v redis-server >/dev/null || { \
 	  echo "installing redis-server (apt-get)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+
+# the Prometheus server and promtool (Debian's 2.42) that bench/chaos.py starts for a rehearsal; not part of test
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "installing prometheus (apt-get)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null; }
 
 # make demo DEMO_ARGS="--minutes 60": a run long enough for a promotion on 2 CPU cores
 demo: setup
