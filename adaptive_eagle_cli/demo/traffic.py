@@ -152,6 +152,7 @@ class Traffic:
     max_tokens: int
     think_s: float
     on_result: Callable[[RequestResult], None]
+    api_key: str = "demo"  # the gateway's API key, where it has any (serving.api_keys)
     stop: threading.Event = field(default_factory=threading.Event)
     t0: float = 0.0
     _count: int = 0
@@ -177,7 +178,7 @@ class Traffic:
     def _client(self, client_id: int) -> None:
         import openai
 
-        client = openai.OpenAI(base_url=self.endpoint, api_key="demo", max_retries=0, timeout=900)
+        client = openai.OpenAI(base_url=self.endpoint, api_key=self.api_key, max_retries=0, timeout=900)
         while not self.stop.is_set():
             started = self.elapsed()
             phase = self.phase_at(started)
