@@ -12,7 +12,15 @@ extras. Errors are OpenAI-style bodies `{"error": {message, type, param, code}}`
 (the field and its allowed range named), 401 missing or wrong API key / missing admin token, 403
 wrong admin token, 404 unknown model or path, 405 wrong method, 409 a swap or canary refused (a refused
 swap's body keeps its per-replica `results` next to the error), 429 queue full. Bad client input is never
-a 5xx; a 500 is a server fault (a replica that failed). Bearer tokens are compared as the bytes sent.
+a 5xx; a 500 is a server fault (a replica that reported a failed decode). Bearer tokens are compared as the
+bytes sent.
+
+A replica that fails itself (its stream raises: a Ray actor that died, crashed or ran out of memory; Ray
+restarts it, and never replays a stream) is a 503 `replica_unavailable` naming the replica, with
+`Retry-After`, or after the 200 of a stream an SSE error event and `[DONE]`; never a bare 500 or a reset
+connection. A request whose replica failed before producing any event (nothing decoded) is first retried
+once on another eligible replica. Each such failure is counted in `ae_replica_failures_total{replica}`.
+A client that leaves (cancellation) is not a replica failure.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ import logging
 import threading
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,7 +43,7 @@ from starlette.exceptions import HTTPException
 from serving import openai_api as api
 from serving.config import ServingConfig
 from serving.fleet import GatewayFleet, LiveSamples
-from serving.messages import Delta, Finished, Refused
+from serving.messages import Delta, Event, Finished, Refused, ServerStatus
 from serving.metrics import GatewayMetrics
 from serving.router import LocalReplica, NoReplica, QueueFull, Replica, Router
 from serving.server import DecodeServer
@@ -54,6 +63,16 @@ class CanaryBody(BaseModel):
     version: Optional[str] = Field(None, description="the candidate head; null ends the canary")
     fraction: float = Field(0.1, ge=0.0, le=1.0, allow_inf_nan=False,
                             description="share of requests routed to the candidate")
+
+
+@dataclass
+class ReplicaStream:
+    """One request's events from the replica that serves it, the first already read; `stack` holds the
+    replica's lease and closes the stream."""
+
+    first: Event
+    events: AsyncIterator[Event]  # the rest; a replica failure ends them with a 503 Refused
+    stack: AsyncExitStack
 
 
 def _bearer(request: Request) -> Optional[bytes]:
@@ -104,7 +123,8 @@ class Gateway:
             raise api.ApiError(403, why, None, "invalid_admin_token")
 
     # ---- statuses -----------------------------------------------------------------------------
-    async def statuses(self, timeout_s: float = STATUS_TIMEOUT_S) -> list:
+    async def replica_statuses(self, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Optional[ServerStatus]]:
+        """Every replica's status by name, None for one that did not answer (its actor died or restarts)."""
         async def one(slot):
             try:
                 return await asyncio.wait_for(slot.replica.status(), timeout_s)
@@ -112,7 +132,12 @@ class Gateway:
                 log.warning("status of %s failed: %s", slot.replica.name, e)
                 return None
 
-        return [s for s in await asyncio.gather(*(one(s) for s in self.router.slots)) if s is not None]
+        answers = await asyncio.gather(*(one(s) for s in self.router.slots))
+        return {slot.replica.name: st for slot, st in zip(self.router.slots, answers)}
+
+    async def statuses(self, timeout_s: float = STATUS_TIMEOUT_S) -> list:
+        """The statuses of the replicas that answered."""
+        return [s for s in (await self.replica_statuses(timeout_s)).values() if s is not None]
 
     async def refresh_versions(self) -> None:
         """The head each replica serves, asked once at start (actors may still be loading their target)."""
@@ -137,23 +162,11 @@ class Gateway:
         if b.model != self.config.model_name:
             raise api.ApiError(404, f"the model {b.model!r} does not exist; this server serves "
                                     f"{self.config.model_name!r}", "model", "model_not_found")
-        stack = AsyncExitStack()
-        try:
-            slot = await stack.enter_async_context(self.router.lease(req.head))
-        except QueueFull as e:
-            raise api.ApiError(429, str(e), None, "queue_full") from None
-        except NoReplica as e:
-            raise api.ApiError(400, str(e), "metadata.head", "unknown_head") from None
-        events = slot.replica.stream(req)
-        stack.push_async_callback(events.aclose)
-        try:
-            first = await events.__anext__()
-        except BaseException:
-            await stack.aclose()
-            raise
+        rs = await self._open(req)
+        first, events, stack = rs.first, rs.events, rs.stack
         if isinstance(first, Refused):
             await stack.aclose()
-            raise api.ApiError(first.status, first.message, first.param, first.code)
+            raise _error(first)
         if b.stream:
             return StreamingResponse(self._sse(events, stack, req.request_id, chat, endpoint),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -161,7 +174,7 @@ class Gateway:
             finished = None
             async for event in events:
                 if isinstance(event, Refused):
-                    raise api.ApiError(event.status, event.message, event.param, event.code)
+                    raise _error(event)
                 if isinstance(event, Finished):
                     finished = event
         if finished is None:
@@ -169,6 +182,61 @@ class Gateway:
         self._record(endpoint, 200, finished)
         make = api.chat_response if chat else api.completion_response
         return JSONResponse(make(req.request_id, self.config.model_name, finished))
+
+    async def _open(self, req) -> ReplicaStream:
+        """Lease a replica and read its first event. A replica that fails before producing any event has
+        decoded nothing for the request, so it is retried once on another eligible replica; when there is
+        none, or the retry's replica fails too, the answer is a 503."""
+        failed: Optional[Replica] = None
+        first_error: Optional[Exception] = None
+        while True:
+            stack = AsyncExitStack()
+            try:
+                slot = await stack.enter_async_context(self.router.lease(req.head, avoid=failed))
+            except QueueFull as e:
+                raise api.ApiError(429, str(e), None, "queue_full") from None
+            except NoReplica as e:
+                if failed is None:
+                    raise api.ApiError(400, str(e), "metadata.head", "unknown_head") from None
+                raise _error(self._unavailable(failed, first_error)) from None
+            replica, events = slot.replica, slot.replica.stream(req)
+            stack.push_async_callback(events.aclose)
+            try:
+                first = await events.__anext__()
+            except Exception as e:  # noqa: BLE001 - the replica failed (StopAsyncIteration: it ended with no event)
+                await stack.aclose()
+                self._replica_failed(replica, e, req.request_id)
+                if failed is None:
+                    failed, first_error = replica, e
+                    continue
+                raise _error(self._unavailable(replica, e)) from None
+            except BaseException:  # the client left (cancelled): not the replica's fault, and nothing to answer
+                await stack.aclose()
+                raise
+            rest = self._guarded(replica, events, req.request_id)
+            stack.push_async_callback(rest.aclose)  # closed before the replica's stream (last in, first out)
+            return ReplicaStream(first, rest, stack)
+
+    async def _guarded(self, replica: Replica, events: AsyncIterator[Event], rid: str) -> AsyncIterator[Event]:
+        """`events`, ended by a 503 Refused when the replica fails after its first event: the request may have
+        decoded tokens (and a stream sent them), so it is not replayed, and both response paths answer a
+        Refused already (an error body, or after a stream's 200 an SSE error event)."""
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:  # noqa: BLE001 - CancelledError (the client left) is a BaseException and passes
+            self._replica_failed(replica, e, rid)
+            yield self._unavailable(replica, e)
+
+    def _replica_failed(self, replica: Replica, error: Exception, rid: str) -> None:
+        log.warning("replica %s failed while serving request %s: %s: %s", replica.name, rid,
+                    type(error).__name__, error)
+        self.metrics.replica_failures.labels(replica.name).inc()
+
+    @staticmethod
+    def _unavailable(replica: Replica, error: Exception) -> Refused:
+        return Refused(503, f"replica {replica.name} failed while serving this request ({type(error).__name__}); "
+                            "retry the request", None, "replica_unavailable")
 
     async def _sse(self, events, stack: AsyncExitStack, rid: str, chat: bool, endpoint: str):
         model = self.config.model_name
@@ -185,7 +253,7 @@ class Gateway:
                                   else api.completion_chunk(rid, model, "", event))
                 elif isinstance(event, Refused):  # after the 200 went out: an error event, then the end
                     self._record(endpoint, event.status)
-                    yield api.sse(api.ApiError(event.status, event.message, event.param, event.code).body())
+                    yield api.sse(_error(event).body())
                     break
             yield api.SSE_DONE
 
@@ -219,9 +287,15 @@ class Gateway:
 
     async def render_metrics(self) -> Response:
         canary = self.router.canary
-        self.metrics.refresh(await self.statuses(), self.router.waiting, self.router.busy,
-                             canary.fraction if canary else 0.0)
+        answers = await self.replica_statuses()
+        self.metrics.refresh([s for s in answers.values() if s is not None], self.router.waiting, self.router.busy,
+                             canary.fraction if canary else 0.0,
+                             replicas_up={name: s is not None for name, s in answers.items()})
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error(refused: Refused) -> api.ApiError:
+    return api.ApiError(refused.status, refused.message, refused.param, refused.code)
 
 
 def create_app(config: ServingConfig, replicas: Sequence[Union[Replica, DecodeServer]], *, rng=None) -> FastAPI:
@@ -242,7 +316,7 @@ def create_app(config: ServingConfig, replicas: Sequence[Union[Replica, DecodeSe
     @app.exception_handler(api.ApiError)
     async def _api_error(request: Request, exc: api.ApiError):
         gw.metrics.requests.labels(request.url.path, str(exc.status)).inc()
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(HTTPException)

@@ -2,7 +2,8 @@
 so two apps in one process, as in tests, never collide).
 
 Owns: metric names, labels and buckets; `observe` for a finished request, `refresh` from replica
-statuses at scrape time. Must not touch: routing, decoding.
+statuses at scrape time (a replica that did not answer is `ae_replica_up` 0; the gateway counts replica
+failures in `ae_replica_failures_total` as they happen). Must not touch: routing, decoding.
 
 Per-request acceptance is a histogram by head version and domain, so tail acceptance (the policy's
 gate) can be read from /metrics, unlike SGLang's batch-level gauges.
@@ -10,7 +11,7 @@ gate) can be read from /metrics, unlike SGLang's batch-level gauges.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -48,6 +49,11 @@ class GatewayMetrics:
                                  "down, erroring, dead: feature_store.writer.WRITER_STATES)", ["replica", "state"],
                                  registry=r)
         self.store_written = Gauge("ae_capture_written", "Records the store acknowledged", ["replica"], registry=r)
+        self.replica_up = Gauge("ae_replica_up", "1 when the replica answered its status at the last scrape, 0 when "
+                                "not (its actor died or is restarting)", ["replica"], registry=r)
+        self.replica_failures = Counter("ae_replica_failures", "Requests whose replica failed while serving them "
+                                        "(its stream raised: a Ray actor that died, crashed or restarted)",
+                                        ["replica"], registry=r)
         self.canary_fraction = Gauge("ae_canary_fraction", "Share of requests routed to the canary head",
                                      registry=r)
 
@@ -59,7 +65,12 @@ class GatewayMetrics:
             self.tokens_per_s.labels(v).observe(spec.tokens_per_s)
             self.completion_tokens.labels(v).inc(tokens)
 
-    def refresh(self, statuses: Iterable[ServerStatus], waiting: int, busy: int, canary_fraction: float) -> None:
+    def refresh(self, statuses: Iterable[ServerStatus], waiting: int, busy: int, canary_fraction: float,
+                replicas_up: Optional[Mapping[str, bool]] = None) -> None:
+        """`statuses`: the replicas that answered; `replicas_up`: every replica by name, whether it answered."""
+        for name, up in (replicas_up or {}).items():
+            self.replica_up.labels(name).set(1 if up else 0)
+            self.replica_failures.labels(name)  # a series at 0 from the start, so increase() sees the first failure
         self.queue_depth.set(waiting)
         self.busy_replicas.set(busy)
         self.canary_fraction.set(canary_fraction)

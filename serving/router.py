@@ -3,8 +3,10 @@
 Owns: the async `Replica` interface over an in-process `DecodeServer` (`LocalReplica`) or a Ray
 `ServerActor` (`RayReplica`); the `Router`: one request per replica at a time, a bounded wait
 queue with back-pressure (`QueueFull` -> 429), the head each replica serves, and canary routing (a
-fraction of requests to the replicas serving the candidate, or a per-request head override). Must
-not touch: HTTP (gateway.py), decoding (server.py), swap policy (fleet.py decides what to swap).
+fraction of requests to the replicas serving the candidate, or a per-request head override), and a
+lease that avoids one replica (the gateway's one retry of a request whose replica failed before it
+produced anything). Must not touch: HTTP (gateway.py), decoding (server.py), swap policy (fleet.py
+decides what to swap).
 """
 
 from __future__ import annotations
@@ -148,10 +150,22 @@ class Router:
     def _free(self, eligible) -> Optional[Slot]:
         return next((s for s in self.slots if eligible(s) and not s.busy), None)
 
+    def _avoiding(self, eligible, avoid: Replica):
+        """`eligible` without `avoid`; NoReplica when no other slot may serve the request (waiting for a slot
+        that can never come would only turn the failure into a timeout)."""
+        def others(s: Slot) -> bool:
+            return s.replica is not avoid and eligible(s)
+
+        if not any(map(others, self.slots)):
+            raise NoReplica(f"no replica other than {avoid.name} may serve this request")
+        return others
+
     @asynccontextmanager
-    async def lease(self, head: Optional[str] = None) -> AsyncIterator[Slot]:
-        """A free replica for one request (waiting in the bounded queue if none is free)."""
+    async def lease(self, head: Optional[str] = None, avoid: Optional[Replica] = None) -> AsyncIterator[Slot]:
+        """A free replica for one request (waiting in the bounded queue if none is free); never `avoid`."""
         eligible = self._pool(head)
+        if avoid is not None:
+            eligible = self._avoiding(eligible, avoid)
         async with self._cond:
             slot = self._free(eligible)
             if slot is None:

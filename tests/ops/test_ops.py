@@ -94,3 +94,30 @@ def test_alert_rules_read_metrics_the_gateway_exports_and_each_has_a_runbook_sec
         anchor = rule["annotations"]["runbook"].split("#")[1]
         assert f"### {anchor}" in runbook, rule["alert"]  # the section on-call is sent to exists
         assert rule["labels"]["severity"] in ("page", "ticket")
+
+
+def test_alert_rules_pass_promtool_and_replica_down_pages_for_the_replica_that_is_down(tmp_path):
+    """promtool parses every rule, and ReplicaDown fires, with the replica's name, only after a minute down."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian/Ubuntu: apt-get install prometheus)")
+    alerts = str(OPS / "alerts.yml")
+    check = subprocess.run([promtool, "check", "rules", alerts], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    summary = "replica actor-0 has not answered its status for a minute (actor dead or restarting)"
+    cases = {"rule_files": [alerts], "evaluation_interval": "15s", "tests": [{
+        "interval": "15s",
+        "input_series": [{"series": 'ae_replica_up{replica="actor-0"}', "values": "1 1 0x8"},  # down from 30 s
+                         {"series": 'ae_replica_up{replica="actor-1"}', "values": "1x10"}],
+        "alert_rule_test": [
+            {"eval_time": "1m", "alertname": "ReplicaDown", "exp_alerts": []},  # down 30 s: pending only
+            {"eval_time": "2m", "alertname": "ReplicaDown", "exp_alerts": [{
+                "exp_labels": {"severity": "page", "replica": "actor-0"},
+                "exp_annotations": {"summary": summary, "runbook": "ops/RUNBOOK.md#replicadown"}}]}]}]}
+    (tmp_path / "replica_down_test.yml").write_text(yaml.safe_dump(cases))
+    test = subprocess.run([promtool, "test", "rules", str(tmp_path / "replica_down_test.yml")], capture_output=True,
+                          text=True)
+    assert test.returncode == 0, test.stdout + test.stderr
