@@ -68,7 +68,7 @@ TREE = {"depth": 5, "topk": 4, "num_draft_tokens": 16}  # filled from prod.yaml'
 ENGINE_EXTRAS = {"cost_aware": False, "prompt_lookup": False, "suffix_drafting": False, "calibration_dir": ""}
 EXPECTED_ALERT = {"redis_restart": "CaptureStoreDown", "redis_refuses_writes": "CaptureStoreRefusing",
                   "trainer_step_fault": "TrainerRestarted", "trainer_sigkill": "TrainerRestarted",
-                  "replica_kill": "ReplicaDown"}
+                  "replica_kill": "ReplicaRestarted"}
 DRIFT = ("english", "code")
 
 

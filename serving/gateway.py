@@ -102,6 +102,7 @@ class Gateway:
         self.samples = LiveSamples(config.live_samples_max)
         self.fleet = GatewayFleet(self.router, self.samples)
         self.metrics = GatewayMetrics()
+        self._silent: set[str] = set()  # replicas whose last status call failed
 
     # ---- auth ---------------------------------------------------------------------------------
     def check_api_key(self, request: Request) -> None:
@@ -126,11 +127,18 @@ class Gateway:
     async def replica_statuses(self, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Optional[ServerStatus]]:
         """Every replica's status by name, None for one that did not answer (its actor died or restarts)."""
         async def one(slot):
+            name = slot.replica.name
             try:
-                return await asyncio.wait_for(slot.replica.status(), timeout_s)
+                st = await asyncio.wait_for(slot.replica.status(), timeout_s)
             except Exception as e:  # noqa: BLE001 - one silent replica must not hide the others
-                log.warning("status of %s failed: %s", slot.replica.name, e)
+                if name not in self._silent:  # logged when it stops answering (ae_replica_up shows every scrape)
+                    self._silent.add(name)
+                    log.warning("status of %s failed: %s", name, e)
                 return None
+            if name in self._silent:
+                self._silent.discard(name)
+                log.info("%s answers its status again", name)
+            return st
 
         answers = await asyncio.gather(*(one(s) for s in self.router.slots))
         return {slot.replica.name: st for slot, st in zip(self.router.slots, answers)}

@@ -134,6 +134,7 @@ class ServerStatus:
     capture: dict = field(default_factory=dict)  # CaptureSampler counters
     store: Optional[dict] = None  # StoreWriter stats (None: no store)
     info: dict = field(default_factory=dict)  # the backend's info()
+    pid: Optional[int] = None  # the replica's process (a new one after Ray restarted its actor)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -54,6 +54,10 @@ class GatewayMetrics:
         self.replica_failures = Counter("ae_replica_failures", "Requests whose replica failed while serving them "
                                         "(its stream raised: a Ray actor that died, crashed or restarted)",
                                         ["replica"], registry=r)
+        self.replica_restarts = Counter("ae_replica_restarts", "Replica processes that replaced an earlier one (its "
+                                        "status answered from a new pid: Ray restarted the actor)", ["replica"],
+                                        registry=r)
+        self._pids: dict[str, int] = {}
         self.canary_fraction = Gauge("ae_canary_fraction", "Share of requests routed to the canary head",
                                      registry=r)
 
@@ -71,12 +75,17 @@ class GatewayMetrics:
         for name, up in (replicas_up or {}).items():
             self.replica_up.labels(name).set(1 if up else 0)
             self.replica_failures.labels(name)  # a series at 0 from the start, so increase() sees the first failure
+            self.replica_restarts.labels(name)
         self.queue_depth.set(waiting)
         self.busy_replicas.set(busy)
         self.canary_fraction.set(canary_fraction)
         self.replica_head.clear()
         self.store_state.clear()
         for s in statuses:
+            if s.pid is not None:
+                if self._pids.get(s.replica, s.pid) != s.pid:
+                    self.replica_restarts.labels(s.replica).inc()
+                self._pids[s.replica] = s.pid
             self.replica_head.labels(s.replica, s.head_version).set(1)
             for kind in ("hidden", "tokens", "skipped", "over_budget", "opted_out"):
                 self.capture.labels(s.replica, kind).set(s.capture.get(kind, 0))

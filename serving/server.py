@@ -268,7 +268,7 @@ class DecodeServer:
         return ServerStatus(replica=self.name, head_version=self.backend.head_version, backend=self.backend.name,
                             running=c["running"], waiting=c["waiting"], served=c["served"], refused=c["refused"],
                             failed=c["failed"], cancelled=c["cancelled"], capture=capture, store=store,
-                            info=self.backend.info())
+                            info=self.backend.info(), pid=os.getpid())
 
     def close(self) -> None:
         """Stop the decode thread (after the request in flight), then the backend's resources; the writer

@@ -42,3 +42,18 @@ def test_drops_by_reason_and_the_store_state_are_exported_per_replica(tmp_path):
         assert 'state="ok"} 1.0' in text and 'state="erroring"' not in text
     finally:
         writer.close(timeout=0.5)
+
+
+def test_a_replica_answering_from_a_new_process_counts_a_restart():
+    m = GatewayMetrics()
+
+    def scrape(pid):
+        st = ServerStatus(replica="r0", head_version="v1", backend="reference", running=0, waiting=0, served=0,
+                          refused=0, failed=0, cancelled=0, pid=pid)
+        m.refresh([st] if pid else [], 0, 0, 0.0, replicas_up={"r0": pid is not None})
+        return m.render().decode()
+
+    assert 'ae_replica_restarts_total{replica="r0"} 0.0' in scrape(100)
+    assert 'ae_replica_restarts_total{replica="r0"} 0.0' in scrape(None)  # down: no status, nothing counted yet
+    assert 'ae_replica_restarts_total{replica="r0"} 1.0' in scrape(101)  # Ray restarted it: a new pid
+    assert 'ae_replica_restarts_total{replica="r0"} 1.0' in scrape(101)
