@@ -245,6 +245,13 @@ class Watcher:
             self.tl.add("trainer", "does not answer (its process ended; Ray restarts it)")
         elif status is not None and (before is None or before.get("pid") != status.get("pid")):
             self.tl.add("trainer", f"answers from pid {status.get('pid')}: {status.get('state')}")
+        elif status is not None and before is not None:
+            state, was = _state_class(status.get("state")), _state_class(before.get("state"))
+            if state != was and {state, was} != {"training", "waiting"}:  # not the flip between steps
+                self.tl.add("trainer", f"{was} -> {status.get('state')}")
+            if status.get("steps", 0) > 0 and not before.get("steps"):
+                self.tl.add("trainer", f"first step of pid {status.get('pid')} ({status.get('records_seen')} "
+                                       f"records seen, loss {status.get('loss')})")
         self.trainer = status
 
     def _registry(self) -> None:
@@ -281,6 +288,10 @@ class Watcher:
                     str(s.get("state", "")).split(" ")[0] in ("training", "waiting", "evaluating"):
                 return ts - t
         return None
+
+
+def _state_class(state: Optional[str]) -> str:
+    return str(state or "").split(" ", 1)[0].rstrip(":")
 
 
 # ---- faults --------------------------------------------------------------------------------------------
@@ -463,8 +474,17 @@ def rehearse(a, traffic_s: float) -> int:
             tl.add("traffic", f"traffic ended: {len(results)} requests answered")
             time.sleep(5)  # the last polls
             watcher.stop()
+            try:
+                trainer_events = ray.get(stack.trainer.events.remote(200), timeout=60)
+            except Exception as e:  # noqa: BLE001 - reported, the summary is still written
+                trainer_events = [f"events unavailable: {type(e).__name__}: {e}"]
+            print("trainer events (its current process):", flush=True)
+            for line in trainer_events[-30:]:
+                print("  " + line, flush=True)
             summary = summarize(a, cfg, tl, watcher, faults, plan, results, traffic, prom, first, replaced, scaled,
                                 startup_s, traffic_s)
+            summary["trainer_events"] = trainer_events
+            summary["trainer_status"] = watcher.trainer
         finally:
             if prom is not None:
                 prom.stop()
@@ -486,7 +506,9 @@ def summarize(a, cfg, tl: Timeline, w: Watcher, faults: Faults, plan: list, resu
     kill = next((f for f in plan if f.name == "replica_kill"), None)
 
     def killed_in_flight(r) -> bool:
-        if kill is None or kill.started is None or "replica_unavailable" not in r.error:
+        if kill is None or kill.started is None or faults.killed_replica is None:
+            return False
+        if f"replica {faults.killed_replica} failed while serving" not in r.error:
             return False
         return r.started_s + tl.t0 <= kill.cleared + 1.0  # sent before the kill: in flight (or queued) on it
 

@@ -7,9 +7,12 @@ import json
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, model_validator
 
 from feature_store.codecs import DEFAULT_CODEC
+
+
+REVEAL_SECRETS = "reveal_secrets"  # serialization context key: the real password in a JSON dump
 
 
 class StoreConfig(BaseModel):
@@ -55,6 +58,14 @@ class StoreConfig(BaseModel):
     flush_interval_s: float = Field(0.05, gt=0, description="the flusher wakes at least this often")
     backoff_initial_s: float = Field(0.05, gt=0, description="first reconnect delay")
     backoff_max_s: float = Field(5.0, gt=0, description="reconnect delay cap (doubles up to here)")
+
+    @field_serializer("redis_password", when_used="json")
+    def _password_json(self, value: Optional[SecretStr], info) -> Optional[str]:
+        """Masked in JSON, unless the dump is the config handed to another process of the stack (the trainer
+        actor gets its config as JSON): `model_dump_json(context={REVEAL_SECRETS: True})`."""
+        if value is None:
+            return None
+        return value.get_secret_value() if (info.context or {}).get(REVEAL_SECRETS) else str(value)
 
     @model_validator(mode="after")
     def _check(self) -> "StoreConfig":

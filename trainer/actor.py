@@ -19,6 +19,7 @@ import threading
 from typing import Callable
 
 from adaptive_eagle.targets import Target
+from feature_store.config import REVEAL_SECRETS
 from trainer.config import NearlineConfig
 from trainer.nearline import NearlineTrainer
 
@@ -87,6 +88,12 @@ class TrainerActor:
         return await self.status()
 
 
+def actor_config_json(cfg: NearlineConfig) -> str:
+    """The config the actor is built from, as JSON with the store's password in it (a plain dump masks it, and
+    a trainer with a masked password is refused by a Redis that has AUTH)."""
+    return cfg.model_dump_json(context={REVEAL_SECRETS: True})
+
+
 def remote_trainer_actor(cfg: NearlineConfig, target_builder: Callable[[], Target] | None = None,
                          max_restarts: int = 5, yield_to: Callable[[], bool] | None = None, **options):
     """Start a TrainerActor (`options`: Ray actor options such as num_cpus, num_gpus) and return its handle.
@@ -94,7 +101,7 @@ def remote_trainer_actor(cfg: NearlineConfig, target_builder: Callable[[], Targe
     import ray
 
     return ray.remote(TrainerActor).options(max_restarts=max_restarts, **options).remote(
-        cfg.model_dump_json(), target_builder, yield_to)
+        actor_config_json(cfg), target_builder, yield_to)
 
 
-__all__ = ["TrainerActor", "end_process", "remote_trainer_actor"]
+__all__ = ["TrainerActor", "actor_config_json", "end_process", "remote_trainer_actor"]

@@ -114,3 +114,15 @@ def test_an_injected_step_fault_ends_the_loop_like_a_bug_in_a_step(tmp_path, wor
         assert status["state"] == "error: InjectedFault: rehearsal: step fault"
     finally:
         actor._stop.set()
+
+
+def test_the_actor_gets_the_store_password_that_a_plain_dump_masks(tmp_path):
+    from feature_store.config import StoreConfig
+    from trainer.actor import actor_config_json
+    from trainer.config import NearlineConfig
+
+    store = StoreConfig(backend="redis", redis_url="rediss://localhost:6380/0", redis_password="s3cret-pw")
+    cfg = NearlineConfig(registry=str(tmp_path / "reg"), work_dir=str(tmp_path / "work"), store=store)
+    assert "s3cret-pw" not in cfg.model_dump_json()  # logs and files never see it
+    got = NearlineConfig.model_validate_json(actor_config_json(cfg)).store.redis_password
+    assert got is not None and got.get_secret_value() == "s3cret-pw"  # was "**********": Redis said WRONGPASS
