@@ -329,6 +329,14 @@ _UNITS = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 
 _DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
 
 
+def _alert_value(alert: dict) -> float:
+    """An alert's value from /api/v1/alerts ("1e+00"); NaN when it has none."""
+    try:
+        return float(alert.get("value", "nan"))
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 def parse_duration(text: str) -> float:
     """Seconds in a Prometheus duration ("5m", "30s", "1h30m", "0"); ValueError when it is not one."""
     text = str(text).strip()
@@ -416,6 +424,7 @@ class Prometheus:
         self._proc: Optional[subprocess.Popen] = None
         self._lock = threading.Lock()
         self._fired: dict[str, float] = {}
+        self._history: list[tuple[float, dict[str, float]]] = []  # (poll time, firing alert -> its largest value)
         self._pending: dict[str, float] = {}
         self._stop_watch = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -495,6 +504,18 @@ class Prometheus:
         """Names of the alerts firing now."""
         return {a["labels"]["alertname"] for a in self.alerts() if a.get("state") == "firing"}
 
+    def alerted_between(self, name: str, t0: float, t1: float) -> Optional[float]:
+        """The first poll time in [t0, t1] at which alert `name` fired anew: it was not firing at the last poll
+        before t0, or its value rose above what it was then (an alert such as `increase(x[15m]) > 0`, still
+        firing for an earlier event, counts a new one by its value). None: it did not."""
+        with self._lock:
+            history = list(self._history)
+        before = next((f for t, f in reversed(history) if t < t0), {})
+        for t, firing in history:
+            if t0 <= t <= t1 and name in firing and (name not in before or firing[name] > before[name]):
+                return t
+        return None
+
     def watch(self, every_s: float = 1.0) -> None:
         """Start a poller thread recording the first time each alert is seen pending (`pending`) and firing
         (`fired`). A failed poll is counted (`poll_errors`, `last_poll_error`) and the poller keeps going."""
@@ -515,12 +536,18 @@ class Prometheus:
                 self.last_poll_error = repr(e)
             else:
                 now = time.time()
+                firing: dict[str, float] = {}
+                for a in alerts:
+                    if a.get("state") == "firing":
+                        name = a["labels"]["alertname"]
+                        firing[name] = max(firing.get(name, float("-inf")), _alert_value(a))
                 with self._lock:
                     for a in alerts:
                         name = a["labels"]["alertname"]
                         self._pending.setdefault(name, now)
                         if a.get("state") == "firing":
                             self._fired.setdefault(name, now)
+                    self._history.append((now, firing))
             self._stop_watch.wait(every_s)
 
     def _write_config(self) -> Path:

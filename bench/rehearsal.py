@@ -249,7 +249,7 @@ class Watcher:
             state, was = _state_class(status.get("state")), _state_class(before.get("state"))
             if state != was and {state, was} != {"training", "waiting"}:  # not the flip between steps
                 self.tl.add("trainer", f"{was} -> {status.get('state')}")
-            if status.get("steps", 0) > 0 and not before.get("steps"):
+            if status.get("last_step_at") and not before.get("last_step_at"):  # per process (steps are resumed)
                 self.tl.add("trainer", f"first step of pid {status.get('pid')} ({status.get('records_seen')} "
                                        f"records seen, loss {status.get('loss')})")
         self.trainer = status
@@ -526,11 +526,11 @@ def summarize(a, cfg, tl: Timeline, w: Watcher, faults: Faults, plan: list, resu
     fault_rows = []
     for f in plan:
         alert = EXPECTED_ALERT[f.name]
-        at = fired.get(alert)
+        # fired anew (or, still firing for an earlier fault, with a larger value) within 5 minutes of the fault
+        at = None if prom is None or f.started is None else prom.alerted_between(alert, f.started, f.started + 300)
         fault_rows.append({"fault": f.name, "at_s": None if f.started is None else round(f.started - tl.t0, 1),
-                           "detail": f.detail, "alert": alert,
-                           "alerted": at is not None and f.started is not None and at >= f.started - 1,
-                           "lost": f.lost})
+                           "detail": f.detail, "alert": alert, "alerted": at is not None,
+                           "alert_after_s": None if at is None else round(at - f.started, 1), "lost": f.lost})
     figures = {
         "failed_requests": len(failed), "hung_requests": hung, "requests": len(results),
         "killed_replica_in_flight_errors": len(in_flight),
@@ -542,7 +542,8 @@ def summarize(a, cfg, tl: Timeline, w: Watcher, faults: Faults, plan: list, resu
         "trainer_recovered_s": None if not recovered or None in recovered else round(max(recovered), 1),
         "time_to_first_candidate_s": next((round(t - onset, 1) for t in cands if t >= onset), None),
         "time_to_promotion_s": next((round(t - onset, 1) for t in promo_times if t >= onset), None),
-        "alerts_fired": sorted(fired), "faults": [{k: r[k] for k in ("fault", "alert", "alerted")} for r in fault_rows],
+        "alerts_fired": sorted(fired),
+        "faults": [{k: r[k] for k in ("fault", "alert", "alerted", "alert_after_s")} for r in fault_rows],
         "traffic_minutes": round(traffic_s / 60, 1), "scale": a.scale,
     }
     checks = {"failed_requests == 0": figures["failed_requests"] == 0, "hung_requests == 0": hung == 0,
