@@ -405,16 +405,20 @@ def promtool_check(what: Literal["rules", "config"], path: Path) -> None:
 # --- Prometheus --------------------------------------------------------------------------------------------
 
 class Prometheus:
-    """A Prometheus server on 127.0.0.1 that scrapes `target` (host:port serving /metrics) every second and
-    evaluates `rules_file` every second, each alert's `for:` multiplied by `for_scale` (at least 1 s). The
+    """A Prometheus server on 127.0.0.1 that scrapes `target` (host:port serving /metrics) every
+    `scrape_interval_s` (the scrape timeout too) and evaluates `rules_file` every second, each alert's `for:`
+    multiplied by `for_scale` (at least 1 s). The
     rules and the config are checked with promtool before it starts. Range windows in the expressions
     (rate(...[5m])) are not scaled."""
 
     def __init__(self, target: str, rules_file: Path | str, for_scale: float = 1.0,
                  bearer_token: Optional[str] = None, job_name: str = "adaptive-eagle",
-                 workdir: Optional[Path] = None) -> None:
+                 workdir: Optional[Path] = None, scrape_interval_s: int = 1) -> None:
         if for_scale <= 0:
             raise ValueError(f"for_scale must be > 0, not {for_scale}")
+        if not 1 <= scrape_interval_s <= 60:
+            raise ValueError(f"scrape_interval_s must be in [1, 60] whole seconds, not {scrape_interval_s}")
+        self.scrape_interval_s = int(scrape_interval_s)
         self.target, self.rules_file, self.for_scale = target, Path(rules_file), for_scale
         self.job_name = job_name
         self._bearer_token = bearer_token
@@ -553,14 +557,15 @@ class Prometheus:
     def _write_config(self) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
         rules = write_scaled_rules(self.rules_file, self.dir / "rules.yml", self.for_scale)
-        job: dict[str, Any] = {"job_name": self.job_name, "scrape_interval": "1s", "scrape_timeout": "1s",
+        every = f"{self.scrape_interval_s}s"
+        job: dict[str, Any] = {"job_name": self.job_name, "scrape_interval": every, "scrape_timeout": every,
                                "static_configs": [{"targets": [self.target]}]}
         if self._bearer_token is not None:
             token_file = self.dir / "bearer_token"
             token_file.touch(mode=0o600)
             token_file.write_text(self._bearer_token)
             job["authorization"] = {"type": "Bearer", "credentials_file": str(token_file)}
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        config = {"global": {"scrape_interval": every, "scrape_timeout": every, "evaluation_interval": "1s"},
                   "rule_files": [str(rules)], "scrape_configs": [job]}
         path = self.dir / "prometheus.yml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))

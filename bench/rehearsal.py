@@ -433,7 +433,10 @@ def rehearse(a, traffic_s: float) -> int:
             for line in info.lines():
                 print("  " + line, flush=True)
             gw = stack.gateway.url
-            prom = Prometheus(gw.split("://", 1)[1], REPO / "ops" / "alerts.yml", a.scale, workdir=work / "prometheus")
+            # a scrape every 3 s, timing out at 3 s: the gateway answers /metrics within 2 s even while a replica
+            # restarts (gateway.METRICS_STATUS_TIMEOUT_S); scaled `for:` durations stay >= one scrape apart
+            prom = Prometheus(gw.split("://", 1)[1], REPO / "ops" / "alerts.yml", a.scale, workdir=work / "prometheus",
+                              scrape_interval_s=3)
             prom.start()
             prom.watch(1.0)
             startup_s = time.time() - t_begin

@@ -50,6 +50,10 @@ from serving.server import DecodeServer
 
 log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0
+# /metrics waits at most this long for a replica's status (one that does not answer reads ae_replica_up 0), so a
+# scrape answers well inside Prometheus's scrape timeout (10 s by default) even while a replica restarts: a
+# scrape that timed out would read as the gateway down
+METRICS_STATUS_TIMEOUT_S = 2.0
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -295,7 +299,7 @@ class Gateway:
 
     async def render_metrics(self) -> Response:
         canary = self.router.canary
-        answers = await self.replica_statuses()
+        answers = await self.replica_statuses(METRICS_STATUS_TIMEOUT_S)
         self.metrics.refresh([s for s in answers.values() if s is not None], self.router.waiting, self.router.busy,
                              canary.fraction if canary else 0.0,
                              replicas_up={name: s is not None for name, s in answers.items()})
