@@ -158,6 +158,9 @@ class ReferenceBackend:
                 ids = self.engine.encode(list(request.prompt))
         except GenerationError as e:
             raise RequestError(str(e), field) from None
+        if not ids:  # a chat template can render nothing (empty messages): refused here, before a stream's 200
+            raise RequestError("the prompt is empty once the chat template is applied: give non-empty content",
+                               field)
         n = len(ids)
         if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
             raise RequestError(f"the prompt has {n} tokens; this server accepts at most {self.max_prompt_tokens}",

@@ -313,3 +313,12 @@ def test_a_dead_store_never_fails_a_request_and_counts_drops(stack):
         thread.stop()
         server.close()
         writer.close(1)
+
+
+def test_a_prompt_the_chat_template_renders_empty_is_a_400_before_a_stream_starts(client):
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:  # streaming: before the 200, not an error event after it
+            out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ""}],
+                                                 max_tokens=4, stream=stream)
+            list(out) if stream else None
+        assert err.value.body["param"] == "messages" and "empty" in err.value.body["message"]
