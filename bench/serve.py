@@ -10,7 +10,12 @@ ShareGPT English first turns, the same ones in the same order for both modes, no
 gateway (a repeated prompt would be answered from the suffix index of earlier outputs). One replica
 (the machine's cores are shared by everything; `--replicas` for more). TPOT is measured at the client (wall time of the
 request, queueing included, per output token) and at the server (decode time per token, the
-response's `adaptive_eagle.tpot_s`). Greedy requests, `--max-tokens` each.
+response's `adaptive_eagle.tpot_s`). Requests are streamed, so the client also splits each request into
+TTFT (to the first content chunk: the wait for a free replica, prefill and the first step) and decode TPOT
+((last chunk - first chunk) / (tokens - 1)). With many clients per replica the first figure is mostly
+queueing: at 16 clients a request waits for up to 15 others, and its tail (P95 of a few dozen requests)
+is set by which short answers happened to queue last; decode TPOT and TTFT show the two parts apart.
+Greedy requests, `--max-tokens` each.
 
 Same work in both arms: by default the replicas' drafting decisions are pinned (`cost_aware: false`, no
 persisted calibration), so the two gateways, fed the same prompts in the same order, draft the same trees,
@@ -40,6 +45,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -110,6 +116,16 @@ def start_gateway(target, registry, version, engine: dict, capture: bool, store_
 
 
 # ---- load ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    wall: float  # seconds from sending to the last chunk (queueing included)
+    n: int  # completion tokens
+    ae: dict  # the response's adaptive_eagle metrics
+    prompt: int  # index into the prompts
+    ttft: float  # seconds to the first content chunk: the wait for a replica, prefill, first step
+    tpot: float | None  # (last chunk - first chunk) / (n - 1): decoding alone, as the client sees it
+
+
 def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int, offset: int = 0) -> dict:
     """`clients` threads, `per_client` requests each, back to back, prompts from `offset` on: the raw rows,
     failures and wall time."""
@@ -123,16 +139,22 @@ def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_t
             p = (offset + k * per_client + i) % len(prompts)
             prompt = prompts[p]
             t0 = time.perf_counter()
-            try:
-                r = c.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompt}],
-                                              temperature=0, max_tokens=max_tokens)
+            first = last = None
+            try:  # streamed: the first token's time splits queueing (TTFT) from decoding (TPOT)
+                for chunk in c.chat.completions.create(model="bench", messages=[{"role": "user", "content": prompt}],
+                                                       temperature=0, max_tokens=max_tokens, stream=True):
+                    if chunk.choices and chunk.choices[0].delta.content and first is None:
+                        first = time.perf_counter()
+                    last = chunk
             except Exception as e:  # noqa: BLE001 - counted, the run goes on
                 with lock:
                     failures.append(f"{type(e).__name__}: {e}")
                 continue
-            wall, n = time.perf_counter() - t0, r.usage.completion_tokens
+            end = time.perf_counter()
+            n, ae = last.usage.completion_tokens, last.adaptive_eagle
+            first = end if first is None else first
             with lock:
-                rows.append((wall, n, r.adaptive_eagle, p))
+                rows.append(Row(end - t0, n, ae, p, first - t0, (end - first) / (n - 1) if n > 1 else None))
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -145,18 +167,23 @@ def summarise(runs: list[dict]) -> dict:
     rows = [r for run in runs for r in run["rows"]]
     failures = [f for run in runs for f in run["failures"]]
     wall = sum(run["wall_s"] for run in runs)
-    tokens = sum(n for _, n, _, _ in rows)
-    client_tpot = [w / n for w, n, _, _ in rows if n]
-    server_tpot = [ae["tpot_s"] for _, n, ae, _ in rows if n]
+    tokens = sum(r.n for r in rows)
+    client_tpot = [r.wall / r.n for r in rows if r.n]
+    server_tpot = [r.ae["tpot_s"] for r in rows if r.n]
+    ttft = [r.ttft for r in rows]
+    decode_tpot = [r.tpot for r in rows if r.tpot is not None]
     return {"requests": len(rows), "failed": len(failures), "tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
             "client_tpot_p50_ms": round(1e3 * pct(client_tpot, 0.5), 2),
             "client_tpot_p95_ms": round(1e3 * pct(client_tpot, 0.95), 2),
             "server_tpot_p50_ms": round(1e3 * pct(server_tpot, 0.5), 2),
             "server_tpot_p95_ms": round(1e3 * pct(server_tpot, 0.95), 2),
-            "accept_length": round(statistics.fmean(ae["accept_length"] for _, _, ae, _ in rows), 3) if rows else None,
-            "captured": sorted({ae["captured"] for _, _, ae, _ in rows}), "errors": failures[:3],
-            "tpot_by_prompt": {p: w / n for w, n, _, p in rows if n}}
+            "ttft_p50_ms": round(1e3 * pct(ttft, 0.5), 2), "ttft_p95_ms": round(1e3 * pct(ttft, 0.95), 2),
+            "decode_tpot_p50_ms": round(1e3 * pct(decode_tpot, 0.5), 2),
+            "decode_tpot_p95_ms": round(1e3 * pct(decode_tpot, 0.95), 2),
+            "accept_length": round(statistics.fmean(r.ae["accept_length"] for r in rows), 3) if rows else None,
+            "captured": sorted({r.ae["captured"] for r in rows}), "errors": failures[:3],
+            "tpot_by_prompt": {r.prompt: r.wall / r.n for r in rows if r.n}}
 
 
 def paired_overhead_pct(off: dict, on: dict) -> float | None:
@@ -207,7 +234,9 @@ def main() -> None:
                 row.pop("tpot_by_prompt")
                 print(f"  {mode:8s} c={clients:<3d} {row['requests']:3d} req  {row['tokens_per_s']:8.1f} tok/s  "
                       f"client TPOT P50 {row['client_tpot_p50_ms']:7.2f} P95 {row['client_tpot_p95_ms']:7.2f} ms  "
-                      f"server P50 {row['server_tpot_p50_ms']:7.2f} ms  failed {row['failed']}", flush=True)
+                      f"server P50 {row['server_tpot_p50_ms']:7.2f} ms  decode TPOT P95 "
+                      f"{row['decode_tpot_p95_ms']:7.2f} ms  TTFT P95 {row['ttft_p95_ms']:8.1f} ms  failed "
+                      f"{row['failed']}", flush=True)
         stored = gateways["capture"][2][0].status().store or {}
     finally:
         for thread, _, servers in gateways.values():
@@ -236,6 +265,15 @@ def report(results: list[dict], levels: list[int], args, stored: dict) -> None:
               f"{on['client_tpot_p50_ms']:>8.2f} {off['client_tpot_p95_ms']:>8.2f} {on['client_tpot_p95_ms']:>8.2f}"
               f"                   | {off['accept_length']!s:>10} {on['accept_length']!s:>10} | {overhead[c]:>7.2f}% "
               f"{overhead_p95[c]:>7.2f}% {paired[c]!s:>6}%")
+    decode_p95, ttft_p95 = {}, {}
+    print(f"\n{'clients':>7} | {'decode TPOT P95 off':>19} {'cap':>7} {'ovh':>7} | {'TTFT P95 off':>12} "
+          f"{'cap':>9} (ms)")
+    for c in levels:
+        off, on = by[("off", c)], by[("capture", c)]
+        decode_p95[c] = round(100 * (on["decode_tpot_p95_ms"] / off["decode_tpot_p95_ms"] - 1), 2)
+        ttft_p95[c] = {"off": off["ttft_p95_ms"], "capture": on["ttft_p95_ms"]}
+        print(f"{c:>7} | {off['decode_tpot_p95_ms']:>19.2f} {on['decode_tpot_p95_ms']:>7.2f} {decode_p95[c]:>6.2f}% | "
+              f"{off['ttft_p95_ms']:>12.1f} {on['ttft_p95_ms']:>9.1f}")
     failed = sum(r["failed"] for r in results)
     print(f"store: {stored.get('written', 0)} records written, {stored.get('dropped', 0)} dropped; "
           f"failed requests: {failed}")
@@ -243,6 +281,8 @@ def report(results: list[dict], levels: list[int], args, stored: dict) -> None:
     print(json.dumps({"capture_tpot_overhead_pct": overhead[first], "capture_tpot_overhead_paired_pct": paired[first],
                       "capture_tpot_p95_overhead_pct": overhead_p95[first],
                       "p95_overhead_pct_by_clients": {str(c): v for c, v in overhead_p95.items()},
+                      "decode_tpot_p95_overhead_pct_by_clients": {str(c): v for c, v in decode_p95.items()},
+                      "ttft_p95_ms_by_clients": {str(c): v for c, v in ttft_p95.items()},
                       "failed_requests": failed, "target": args.target, "quick": args.quick,
                       "cost_aware": args.cost_aware,
                       "overhead_pct_by_clients": {str(c): v for c, v in overhead.items()},
