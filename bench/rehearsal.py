@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import secrets
 import signal
 import sys
@@ -55,6 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import yaml  # noqa: E402
+
+from adaptive_eagle.compute import machine_key  # noqa: E402
 
 from bench.chaos import Prometheus, RedisTLS  # noqa: E402
 
@@ -282,11 +283,17 @@ class Watcher:
         return next((ts - t for ts, w in self.written_at if t < ts <= t + deadline_s and w > base), None)
 
     def trainer_recovered(self, t: float, pid: Optional[int]) -> Optional[float]:
-        """Seconds from t until a trainer process other than `pid` answered healthy and had stepped."""
+        """Seconds from the fault taking effect (after t: process `pid` answered in error or not at all, or another
+        process answered) until a trainer process other than `pid` answered healthy and had stepped. An injected
+        step fault takes effect at the next step, which may come a while after t (a candidate evaluation)."""
+        down = next((ts for ts, s in self.trainer_seen if ts > t and (
+            s is None or s.get("pid") != pid or _state_class(s.get("state")) == "error")), None)
+        if down is None:
+            return None
         for ts, s in self.trainer_seen:
-            if ts > t and s is not None and s.get("pid") != pid and s.get("last_step_at") and \
-                    str(s.get("state", "")).split(" ")[0] in ("training", "waiting", "evaluating"):
-                return ts - t
+            if ts > down and s is not None and s.get("pid") != pid and s.get("last_step_at") and \
+                    _state_class(s.get("state")) in ("training", "waiting", "evaluating"):
+                return ts - down
         return None
 
 
@@ -406,7 +413,7 @@ def rehearse(a, traffic_s: float) -> int:
     secrets_env = {"AE_ADMIN_TOKEN": secrets.token_urlsafe(24), "AE_API_KEY": secrets.token_urlsafe(24),
                    "AE_REDIS_HOST": "localhost"}
     t_begin = time.time()
-    print(f"rehearsal on {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+    print(f"rehearsal on {machine_key('cpu').removeprefix('cpu:')}; "
           f"{traffic_s / 60:g} minutes of traffic; work dir {work}", flush=True)
     with RedisTLS(work / "redis") as redis:
         secrets_env["AE_REDIS_PASSWORD"] = redis.password
@@ -563,7 +570,7 @@ def summarize(a, cfg, tl: Timeline, w: Watcher, faults: Faults, plan: list, resu
         tl.add("failed", f"request {r.index} ({r.domain}, sent at {r.started_s:.0f} s): {r.error[:200]}")
     return {"figures": figures, "checks": checks, "passed": all(checks.values()), "faults": fault_rows,
             "replaced": replaced, "scaled": scaled, "startup_s": round(startup_s, 1),
-            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "machine": machine_key("cpu").removeprefix("cpu:"),
             "alerts_first_fired_s": {k: round(v - tl.t0, 1) for k, v in fired.items()},
             "watch_poll_errors": w.errors, "watch_last_errors": w.last_errors, "args": vars(a)}
 

@@ -151,6 +151,29 @@ class GatewayFleet:
         self.router.canary = Canary(version, fraction)  # no replica serves it whole: the router sends to all
         return results
 
+    async def areconcile(self, statuses: dict) -> list[str]:
+        """Bring back a replica whose head is not the one the router routes to it (Ray restarted its actor, which
+        came back with the registry's champion, or lost a canary's head): swap it to its slot's version; if it
+        refuses, record what it really serves so routing and live samples stay truthful. `statuses`: replica name
+        -> ServerStatus (None: it did not answer). Returns one line per replica it acted on."""
+        lines = []
+        async with self._swap_lock:  # never while a swap is under way (a replica between two versions)
+            for slot in self.router.slots:
+                st = statuses.get(slot.replica.name)
+                if st is None or st.head_version == slot.version:
+                    continue
+                r = await slot.replica.swap_head(slot.version)
+                if r.ok:
+                    lines.append(f"{slot.replica.name} served {st.head_version}, routed as {slot.version} "
+                                 f"(restarted?): swapped back to {slot.version}")
+                else:
+                    self.router.set_version(slot.replica, st.head_version)
+                    lines.append(f"{slot.replica.name} served {st.head_version} and refused {slot.version} "
+                                 f"({r.message}): routed as {st.head_version} from now on")
+        if lines:
+            await self.router.fleet_changed()
+        return lines
+
     async def aset_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
         """Send `fraction` of requests to `version` (replica-based, or inside the one replica: see the
         module docstring); None ends the canary. Raises ValueError when it cannot be set."""

@@ -54,6 +54,7 @@ STATUS_TIMEOUT_S = 5.0
 # scrape answers well inside Prometheus's scrape timeout (10 s by default) even while a replica restarts: a
 # scrape that timed out would read as the gateway down
 METRICS_STATUS_TIMEOUT_S = 2.0
+RECONCILE_EVERY_S = 5.0  # how often the gateway checks that each replica serves the head it is routed as
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -150,6 +151,20 @@ class Gateway:
     async def statuses(self, timeout_s: float = STATUS_TIMEOUT_S) -> list:
         """The statuses of the replicas that answered."""
         return [s for s in (await self.replica_statuses(timeout_s)).values() if s is not None]
+
+    async def keep_fleet(self, every_s: float = RECONCILE_EVERY_S) -> None:
+        """Every `every_s`: a replica that serves another head than the router routes to it (its actor restarted
+        with the registry's champion, dropping a canary) is swapped back, or routed as what it serves
+        (GatewayFleet.areconcile). A failed pass is logged and counted; the loop goes on."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                for line in await self.fleet.areconcile(await self.replica_statuses(METRICS_STATUS_TIMEOUT_S)):
+                    log.warning("fleet: %s", line)
+                    self.metrics.fleet_reconciled.inc()
+            except Exception as e:  # noqa: BLE001 - counted and logged; the next pass tries again
+                self.metrics.fleet_reconcile_errors.inc()
+                log.error("fleet: reconciling the replicas failed: %s: %s", type(e).__name__, e)
 
     async def refresh_versions(self) -> None:
         """The head each replica serves, asked once at start (actors may still be loading their target)."""
@@ -319,7 +334,9 @@ def create_app(config: ServingConfig, replicas: Sequence[Union[Replica, DecodeSe
     async def lifespan(app: FastAPI):
         gw.fleet.loop = asyncio.get_running_loop()
         await gw.refresh_versions()
+        keeper = asyncio.create_task(gw.keep_fleet(), name="fleet-reconcile")
         yield
+        keeper.cancel()
         gw.fleet.loop = None
 
     app = FastAPI(title="adaptive-eagle gateway", lifespan=lifespan, docs_url=None, redoc_url=None)

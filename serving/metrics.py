@@ -58,6 +58,10 @@ class GatewayMetrics:
                                         "status answered from a new pid: Ray restarted the actor)", ["replica"],
                                         registry=r)
         self._pids: dict[str, int] = {}
+        self.fleet_reconciled = Counter("ae_fleet_reconciled", "Replicas found serving another head than they are "
+                                        "routed as (a restarted actor), swapped back or re-routed", registry=r)
+        self.fleet_reconcile_errors = Counter("ae_fleet_reconcile_errors", "Reconcile passes that failed",
+                                              registry=r)
         self.canary_fraction = Gauge("ae_canary_fraction", "Share of requests routed to the canary head",
                                      registry=r)
 

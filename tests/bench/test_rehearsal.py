@@ -68,3 +68,15 @@ def test_stale_gate_decisions_use_the_champion_each_candidate_was_replayed_again
     events.append(PromotionEvent(event="rejected", candidate="nl-2", champion="nl-1", reason="offline gate: ...",
                                  evidence={"n": 20}))
     assert _stale_gate_decisions(events, reg) == {"stale": 1, "refused": 1}
+
+
+def test_trainer_recovery_counts_from_the_fault_taking_effect_to_a_step_of_the_new_process():
+    from bench.rehearsal import Watcher
+
+    w = Watcher.__new__(Watcher)  # only its history is needed
+    w.trainer_seen = [(1, {"pid": 1, "state": "training", "last_step_at": 0.5}),
+                      (5, {"pid": 1, "state": "evaluating", "last_step_at": 0.5}),  # the armed step comes later
+                      (50, {"pid": 1, "state": "error: InjectedFault: x"}), (52, None),
+                      (60, {"pid": 2, "state": "starting"}), (70, {"pid": 2, "state": "waiting", "last_step_at": 69})]
+    assert w.trainer_recovered(2, 1) == 20  # 50 s (the step raised) -> 70 s (the new process stepped)
+    assert Watcher.trainer_recovered(w, 80, 2) is None  # nothing went down after 80 s

@@ -1,0 +1,49 @@
+"""A replica whose actor Ray restarted comes back with the registry's champion; if it carried a canary, the router
+still routes the canary's share to it and the canary never gets a sample (found by the production rehearsal:
+the policy waited on a canary for the rest of the run). The fleet swaps such a replica back to the head it is
+routed as, or, if it refuses, routes it as what it serves."""
+
+import asyncio
+
+from adaptive_eagle.binding import SwapResult
+from serving.fleet import GatewayFleet, LiveSamples
+from serving.messages import ServerStatus
+from serving.router import Canary, Router
+
+
+class Replica:
+    """A stand-in replica (test code): it serves `head` and swaps to versions in `known`."""
+
+    def __init__(self, name: str, head: str, known=("v1", "cand")) -> None:
+        self.name, self.head, self.known, self.swaps = name, head, set(known), []
+
+    async def swap_head(self, version: str) -> SwapResult:
+        self.swaps.append(version)
+        if version not in self.known:
+            return SwapResult(False, f"{version} is not in the registry", self.head)
+        self.head = version
+        return SwapResult(True, f"serving {version}", version)
+
+    def status(self) -> ServerStatus:
+        return ServerStatus(replica=self.name, head_version=self.head, backend="stand-in", running=0, waiting=0,
+                            served=0, refused=0, failed=0, cancelled=0)
+
+
+def test_a_restarted_canary_replica_is_swapped_back_and_a_refusing_one_is_routed_as_what_it_serves():
+    async def scenario():
+        a, b = Replica("a", "v1"), Replica("b", "cand")
+        router = Router([a, b], ["v1", "cand"], queue_size=4, wait_timeout_s=10.0)
+        router.canary = Canary("cand", 0.1)
+        fleet = GatewayFleet(router, LiveSamples())
+        assert await fleet.areconcile({"a": a.status(), "b": b.status()}) == []  # in sync: nothing to do
+        b.head = "v1"  # Ray restarted b: it loaded the registry's champion
+        lines = await fleet.areconcile({"a": a.status(), "b": b.status(), "c": None})
+        assert b.swaps == ["cand"] and b.head == "cand" and len(lines) == 1 and "swapped back" in lines[0]
+        assert [s.version for s in router.slots] == ["v1", "cand"]
+        b.head, b.known = "v1", {"v1"}  # restarted again, and now the candidate cannot be loaded
+        lines = await fleet.areconcile({"a": a.status(), "b": b.status()})
+        assert "routed as v1" in lines[0] and "not in the registry" in lines[0]
+        assert [s.version for s in router.slots] == ["v1", "v1"]
+        assert a.swaps == []  # a replica that is in sync is never touched
+
+    asyncio.run(scenario())
