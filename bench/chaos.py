@@ -508,15 +508,16 @@ class Prometheus:
         """Names of the alerts firing now."""
         return {a["labels"]["alertname"] for a in self.alerts() if a.get("state") == "firing"}
 
-    def alerted_between(self, name: str, t0: float, t1: float) -> Optional[float]:
+    def alerted_between(self, name: str, t0: float, t1: float, min_rise: float = 0.5) -> Optional[float]:
         """The first poll time in [t0, t1] at which alert `name` fired anew: it was not firing at the last poll
-        before t0, or its value rose above what it was then (an alert such as `increase(x[15m]) > 0`, still
-        firing for an earlier event, counts a new one by its value). None: it did not."""
+        before t0, or its value rose by `min_rise` or more above what it was then (an alert such as
+        `increase(x[15m]) > 0`, still firing for an earlier event, counts a new one by its value; increase()
+        extrapolates, so its value drifts by fractions between events). None: it did not."""
         with self._lock:
             history = list(self._history)
         before = next((f for t, f in reversed(history) if t < t0), {})
         for t, firing in history:
-            if t0 <= t <= t1 and name in firing and (name not in before or firing[name] > before[name]):
+            if t0 <= t <= t1 and name in firing and (name not in before or firing[name] >= before[name] + min_rise):
                 return t
         return None
 

@@ -228,9 +228,9 @@ def test_a_missing_prometheus_says_how_to_install_it(tmp_path, monkeypatch):
 
 def test_an_alert_counts_for_a_fault_when_it_fires_anew_or_its_value_rises(tmp_path):
     prom = Prometheus("127.0.0.1:1", one_rule(tmp_path), workdir=tmp_path / "p")  # not started: history by hand
-    prom._history = [(10.0, {}), (20.0, {"Restarted": 1.0}), (30.0, {"Restarted": 1.0}), (40.0, {"Restarted": 2.0}),
+    prom._history = [(10.0, {}), (20.0, {"Restarted": 1.0}), (30.0, {"Restarted": 1.2}), (40.0, {"Restarted": 2.0}),
                      (50.0, {"Down": 1.0, "Restarted": 2.0})]
     assert prom.alerted_between("Restarted", 15.0, 25.0) == 20.0  # was not firing before: fires anew
-    assert prom.alerted_between("Restarted", 25.0, 35.0) is None  # still firing for the earlier event only
+    assert prom.alerted_between("Restarted", 25.0, 35.0) is None  # still firing for the earlier event (drift 0.2)
     assert prom.alerted_between("Restarted", 35.0, 45.0) == 40.0  # its value rose: a second event
     assert prom.alerted_between("Down", 45.0, 60.0) == 50.0 and prom.alerted_between("Down", 0.0, 40.0) is None
