@@ -61,7 +61,7 @@ bench: setup
 	$(PY) bench/train.py --quick
 
 # the production rehearsal: ops/prod.yaml on this machine under drifting traffic and injected faults
-# (bench/rehearsal.py; --quick takes ~20 minutes on 2 cores). The full run: REHEARSAL_ARGS="--minutes 50 --out DIR"
+# (bench/rehearsal.py; --quick takes ~21 minutes on 2 cores). The full run: REHEARSAL_ARGS="--minutes 50 --out DIR"
 REHEARSAL_ARGS ?= --quick
 rehearsal: setup redis-server prometheus
 	$(PY) bench/rehearsal.py $(REHEARSAL_ARGS)

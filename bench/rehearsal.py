@@ -27,7 +27,7 @@ capture_resumed_s, trainer_recovered_s, time_to_first_candidate_s, time_to_promo
 onset), alerts_fired, and per fault its alert and whether it fired (`faults`). --out keeps timeline.jsonl,
 summary.json and the promotion log.
 
-    .venv/bin/python bench/rehearsal.py --quick           # a smoke run, under 25 minutes on 2 cores
+    .venv/bin/python bench/rehearsal.py --quick           # about 21 minutes on 2 cores
     .venv/bin/python bench/rehearsal.py --minutes 60      # the full run (docs/results/rehearsal-*)
 
 Needs redis-server (`make redis-server`) and Prometheus (`make prometheus`). Never run it next to another job
@@ -377,8 +377,9 @@ class Faults:
 # ---- the run -------------------------------------------------------------------------------------------
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a smoke run: 16 minutes of traffic (under 25 in all)")
-    p.add_argument("--minutes", type=float, default=None, help="minutes of traffic (default 16 quick, 50 full)")
+    p.add_argument("--quick", action="store_true", help="20 minutes of traffic (about 21 in all): the checks "
+                   "but promotions >= 1")
+    p.add_argument("--minutes", type=float, default=None, help="minutes of traffic (default 20 quick, 50 full)")
     p.add_argument("--scale", type=float, default=0.05, help="the one factor on every count the loop waits for "
                    "(default 0.05: 400-sample minimums become 20)")
     p.add_argument("--clients", type=int, default=3, help="concurrent openai clients (default 3)")
@@ -390,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
     if not 0 < a.scale <= 1:
         p.error(f"--scale must be in (0, 1], got {a.scale}")
-    minutes = a.minutes or (16.0 if a.quick else 50.0)
+    minutes = a.minutes or (20.0 if a.quick else 50.0)
     if not 4 <= minutes <= 600:
         p.error(f"--minutes must be in [4, 600], got {minutes}")
     return rehearse(a, minutes * 60.0)
