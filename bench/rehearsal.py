@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from adaptive_eagle.compute import machine_key  # noqa: E402
+from serving.loop_metrics import trainer_state_class  # noqa: E402
 
 from bench.chaos import Prometheus, RedisTLS  # noqa: E402
 
@@ -247,7 +248,7 @@ class Watcher:
         elif status is not None and (before is None or before.get("pid") != status.get("pid")):
             self.tl.add("trainer", f"answers from pid {status.get('pid')}: {status.get('state')}")
         elif status is not None and before is not None:
-            state, was = _state_class(status.get("state")), _state_class(before.get("state"))
+            state, was = trainer_state_class(status.get("state")), trainer_state_class(before.get("state"))
             if state != was and {state, was} != {"training", "waiting"}:  # not the flip between steps
                 self.tl.add("trainer", f"{was} -> {status.get('state')}")
             if status.get("last_step_at") and not before.get("last_step_at"):  # per process (steps are resumed)
@@ -287,18 +288,14 @@ class Watcher:
         process answered) until a trainer process other than `pid` answered healthy and had stepped. An injected
         step fault takes effect at the next step, which may come a while after t (a candidate evaluation)."""
         down = next((ts for ts, s in self.trainer_seen if ts > t and (
-            s is None or s.get("pid") != pid or _state_class(s.get("state")) == "error")), None)
+            s is None or s.get("pid") != pid or trainer_state_class(s.get("state")) == "error")), None)
         if down is None:
             return None
         for ts, s in self.trainer_seen:
             if ts > down and s is not None and s.get("pid") != pid and s.get("last_step_at") and \
-                    _state_class(s.get("state")) in ("training", "waiting", "evaluating"):
+                    trainer_state_class(s.get("state")) in ("training", "waiting", "evaluating"):
                 return ts - down
         return None
-
-
-def _state_class(state: Optional[str]) -> str:
-    return str(state or "").split(" ", 1)[0].rstrip(":")
 
 
 # ---- faults --------------------------------------------------------------------------------------------
