@@ -24,6 +24,11 @@ Metrics (every gauge; ages in seconds):
     ae_policy_running                   1 while the policy's loop runs
     ae_policy_last_decision_age_seconds since the promotion log's newest event
     ae_policy_last_decision{event,candidate,action}  1 for that event
+    ae_last_promotion_age_seconds       since the newest promotion in the promotion log (absent: none yet)
+    ae_drift_accept_length{domain}      the trainer's drift signal: live accept length per domain (EWMA of
+                                        served records under the current champion)
+    ae_drift_reference_accept_length{domain}  what that level is compared with (absent until enough records)
+    ae_drift_flagged{domain}            1 while the domain stays below its reference by the drift margin
     ae_loop_poll_errors{part}           polls of a part that failed
 """
 
@@ -134,40 +139,59 @@ class LoopWatcher:
             self._thread.join(timeout_s)
 
 
+def candidate_times(registry) -> list[float]:
+    """Unix seconds at which the near-line trainer wrote each of its versions in `registry`, oldest first."""
+    import datetime
+
+    return sorted(datetime.datetime.fromisoformat(v.created.replace("Z", "+00:00")).timestamp()
+                  for v in registry.versions() if (v.training or {}).get("trainer") == "nearline")
+
+
 def newest_candidate_time(registry) -> Optional[float]:
     """Unix seconds of the newest version the near-line trainer wrote into `registry` (None: none yet)."""
-    import datetime
-
-    times = [v.created for v in registry.versions() if (v.training or {}).get("trainer") == "nearline"]
-    if not times:
-        return None
-    return datetime.datetime.fromisoformat(max(times).replace("Z", "+00:00")).timestamp()
+    times = candidate_times(registry)
+    return times[-1] if times else None
 
 
-def newest_log_event(path, tail_bytes: int = 1 << 16) -> Optional[dict]:
-    """The promotion log's newest event as {event, candidate, action, at} (None: no log or no event yet). Reads
-    only the file's tail; a torn or corrupt last line is skipped for the one before it."""
-    import datetime
-    import os
+class PromotionLogFollower:
+    """Follows the promotion log as it grows: each call reads only the lines appended since the last one and
+    returns the newest event as {event, candidate, action, at}, plus `promoted_at` and `promoted`: the time
+    and version of the newest promotion ever logged (absent before the first), however far back it is. A
+    log that shrank (replaced, rotated) is read again from its start; a torn last line waits for its end."""
 
-    from policies.log import PromotionEvent
+    def __init__(self, path) -> None:
+        self.path = path
+        self._offset = 0
+        self._newest: Optional[dict] = None
+        self._promoted: Optional[dict] = None
 
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - tail_bytes))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except FileNotFoundError:
-        return None
-    for line in reversed(lines):
+    def __call__(self) -> Optional[dict]:
+        import os
+
         try:
-            e = PromotionEvent.model_validate_json(line)
-        except ValueError:
-            continue
-        at = datetime.datetime.fromisoformat(e.time.replace("Z", "+00:00")).timestamp()
-        return {"event": e.event, "candidate": e.candidate, "action": e.action, "at": at}
-    return None
+            with open(self.path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size < self._offset:  # a new file: start over
+                    self._offset, self._newest, self._promoted = 0, None, None
+                f.seek(self._offset)
+                data = f.read(size - self._offset)
+        except FileNotFoundError:
+            return None
+        end = data.rfind(b"\n") + 1  # whole lines only; a line still being written is read next time
+        self._offset += end
+        for raw in data[:end].splitlines():
+            e = _log_event(raw.decode("utf-8", "replace"))
+            if e is None:
+                continue
+            self._newest = e
+            if e["event"] == "promoted":
+                self._promoted = e
+        if self._newest is None:
+            return None
+        out = dict(self._newest)
+        if self._promoted is not None:
+            out.update(promoted_at=self._promoted["at"], promoted=self._promoted["candidate"])
+        return out
 
 
 class LoopCollector:
@@ -214,11 +238,32 @@ class LoopCollector:
             e = s.last_event
             info.add_metric([str(e.get("event") or ""), str(e.get("candidate") or ""), str(e.get("action") or "")], 1.0)
             yield info
+        if s.last_event is not None and s.last_event.get("promoted_at") is not None:
+            yield GaugeMetricFamily("ae_last_promotion_age_seconds", "Seconds since the promotion log's newest "
+                                    "promotion", value=max(0.0, now - float(s.last_event["promoted_at"])))
+        drift = (t.get("drift") or {}) if s.trainer_enabled else {}
+        if drift:
+            level = GaugeMetricFamily("ae_drift_accept_length", "Live accept length per domain (the trainer's "
+                                      "EWMA over served records, under the current champion)", labels=["domain"])
+            ref = GaugeMetricFamily("ae_drift_reference_accept_length", "The level a domain's live accept length "
+                                    "is compared with (the higher of its own and the overall baseline)",
+                                    labels=["domain"])
+            flagged = GaugeMetricFamily("ae_drift_flagged", "1 while a domain's live accept length stays below its "
+                                        "reference by the drift margin (the trainer weights it up)", labels=["domain"])
+            for domain, row in sorted(drift.items()):
+                level.add_metric([domain], float(row.get("ewma") or 0.0))
+                if row.get("reference") is not None:
+                    ref.add_metric([domain], float(row["reference"]))
+                flagged.add_metric([domain], float(bool(row.get("flagged"))))
+            yield level
+            yield ref
+            yield flagged
         errors = GaugeMetricFamily("ae_loop_poll_errors", "Polls of a loop part that failed", labels=["part"])
         for part, n in sorted(s.poll_errors.items()):
             errors.add_metric([part], float(n))
         yield errors
 
 
-__all__ = ["LoopCollector", "LoopSnapshot", "LoopWatcher", "TRAINER_STATES", "newest_candidate_time", "newest_log_event",
+__all__ = ["LoopCollector", "LoopSnapshot", "LoopWatcher", "PromotionLogFollower", "TRAINER_STATES", "candidate_times",
+           "newest_candidate_time",
            "trainer_state_class"]

@@ -234,7 +234,7 @@ class LocalStack:
 
     def _watch(self) -> None:
         """The loop's own metrics on the gateway's /metrics (loop_metrics.py): trainer, candidates, policy."""
-        from serving.loop_metrics import LoopCollector, LoopWatcher, newest_candidate_time, newest_log_event
+        from serving.loop_metrics import LoopCollector, LoopWatcher, PromotionLogFollower, newest_candidate_time
 
         trainer, c = self.trainer, self.config
 
@@ -247,7 +247,7 @@ class LocalStack:
         self.watcher = LoopWatcher(
             trainer_status=trainer_status if trainer is not None else None,
             candidate_time=lambda: newest_candidate_time(self.registry),
-            last_event=lambda: newest_log_event(c.promotion_log),
+            last_event=PromotionLogFollower(c.promotion_log),
             policy_running=lambda: policy_thread is not None and policy_thread.is_alive())
         self.watcher.start()
         self.app.state.gateway.metrics.registry.register(LoopCollector(self.watcher))

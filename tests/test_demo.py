@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,13 @@ from typer.testing import CliRunner
 
 from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError, demo_stack_config, phase_plan
 from adaptive_eagle_cli.demo.control import ControlSample, StepCounts
-from adaptive_eagle_cli.demo.report import summary, table
+from adaptive_eagle_cli.demo.report import adapt_line, summary, table, time_to_adapt
 from adaptive_eagle_cli.demo.traffic import Prompt, RequestResult, jsonl_pools
+from policies.log import PromotionEvent
 
 REPO = Path(__file__).resolve().parents[1]
-SUMMARY_KEYS = {"drift_accept_length_adapted", "drift_accept_length_frozen", "failed_requests", "promotions"}
+SUMMARY_KEYS = {"drift_accept_length_adapted", "drift_accept_length_frozen", "failed_requests", "promotions",
+                "time_to_first_candidate_s", "time_to_promotion_s", "recovered_fraction"}
 
 
 def test_options_are_range_checked_and_errors_name_the_option(tmp_path):
@@ -88,7 +91,16 @@ def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests()
     assert after.accept_length_adapted == 2.0 and after.accept_length_frozen == 1.4 and after.gain_pct == 42.86
     assert after.tokens_per_s_frozen == 15.0 and after.frozen_decoded == 1 and after.heads == "nl-1"
     assert StepCounts.accept_length((3,)) is None
-    s = summary(rows, results, [], [], control, {})
+    t0 = 1_800_000_000.0
+    at = lambda s: PromotionEvent(time=datetime.fromtimestamp(t0 + s, timezone.utc).isoformat(), event="promoted",
+                                  candidate="nl-1")  # noqa: E731
+    adapt = time_to_adapt(phases, t0, [t0 + 10, t0 + 42, t0 + 60], [at(20), at(66.5)], rows)
+    # from the drift (30 s): the candidate of 10 s is before it; the promotion of 20 s too
+    assert adapt == {"drift_onset_s": 30.0, "time_to_first_candidate_s": 12.0, "time_to_promotion_s": 36.5,
+                     "recovered_fraction": 6.0}  # (2.0 - 1.4) / (1.5 - 1.4): more than the drop was won back
+    assert "promotion 0.6 min" in adapt_line(adapt) and "recovered 600%" in adapt_line(adapt)
+    assert time_to_adapt(phases[:1], t0, [], [], rows)["time_to_promotion_s"] is None  # no drift, no figure
+    s = summary(rows, results, [], [], control, adapt)
     assert SUMMARY_KEYS <= set(s) and s["failed_requests"] == 1 and s["drift_accept_length_adapted"] == 2.0
 
 

@@ -68,8 +68,8 @@ class DriftMonitor:
         self._update(self._overall, accept_length)
         if d.count < self.min_records:
             return None
-        refs = [r for r in (d.baseline, self._overall.baseline) if r is not None]
-        reference = max(refs) if refs else d.ewma
+        reference = self._reference(d)
+        reference = d.ewma if reference is None else reference
         low = d.ewma < reference * (1 - self.drop)
         d.below = d.below + 1 if low else 0
         if not d.flagged and d.below >= self.sustain:
@@ -88,9 +88,18 @@ class DriftMonitor:
         """Batch weight per domain: `boost` for flagged domains, 1.0 otherwise."""
         return {k: (self.boost if d.flagged else 1.0) for k, d in self._domains.items()}
 
+    def _reference(self, d: _Domain) -> float | None:
+        """What a domain's level is compared with: the higher of its own baseline and the overall one."""
+        refs = [r for r in (d.baseline, self._overall.baseline) if r is not None]
+        return max(refs) if refs else None
+
     def table(self) -> dict[str, dict]:
+        """Per domain: its EWMA, records, flagged, its own baseline and the reference it is compared with."""
+        def r4(x: float | None) -> float | None:
+            return None if x is None else round(x, 4)
+
         return {k or "untagged": {"ewma": round(d.ewma, 4), "records": d.count, "flagged": d.flagged,
-                                  "baseline": None if d.baseline is None else round(d.baseline, 4)}
+                                  "baseline": r4(d.baseline), "reference": r4(self._reference(d))}
                 for k, d in sorted(self._domains.items())}
 
 

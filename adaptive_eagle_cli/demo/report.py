@@ -93,6 +93,44 @@ def event_seconds(event, t0: float) -> float:
     return datetime.fromisoformat(event.time.replace("Z", "+00:00")).timestamp() - t0
 
 
+def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[float], events: Sequence,
+                  rows: Sequence[Row]) -> dict:
+    """How fast the loop answered the drift. From the drift's onset (the second phase's start): the first
+    candidate the trainer wrote and the first promotion (seconds; None when none came). recovered_fraction:
+    the share of the drift's accept-length drop that the adapted stack won back after adaptation, on the
+    same requests as the frozen head: (adapted - frozen) / (frozen before drift - frozen after), None when
+    the drift lowered nothing."""
+    if len(phases) < 2:
+        return {"drift_onset_s": None, "time_to_first_candidate_s": None, "time_to_promotion_s": None,
+                "recovered_fraction": None}
+    onset = phases[1].start_s
+    cands = sorted(t - t0 for t in candidate_times if t - t0 >= onset)
+    promos = sorted(s for e in events if e.event == "promoted" and (s := event_seconds(e, t0)) >= onset)
+    before = next((r for r in rows if r.window == "before drift"), None)
+    after = next((r for r in rows if r.window == "after adaptation"), None)
+    recovered = None
+    if before and after and None not in (before.accept_length_frozen, after.accept_length_frozen,
+                                         after.accept_length_adapted):
+        drop = before.accept_length_frozen - after.accept_length_frozen
+        if drop > 0:
+            recovered = round((after.accept_length_adapted - after.accept_length_frozen) / drop, 3)
+    return {"drift_onset_s": round(onset, 1),
+            "time_to_first_candidate_s": round(cands[0] - onset, 1) if cands else None,
+            "time_to_promotion_s": round(promos[0] - onset, 1) if promos else None,
+            "recovered_fraction": recovered}
+
+
+def adapt_line(s: dict) -> str:
+    """One line on the time to adapt, for the report and the plot."""
+    def minutes(x) -> str:
+        return "none" if x is None else f"{x / 60:.1f} min"
+
+    frac = s.get("recovered_fraction")
+    return (f"after the drift: first candidate {minutes(s.get('time_to_first_candidate_s'))}, promotion "
+            f"{minutes(s.get('time_to_promotion_s'))}; recovered "
+            f"{'–' if frac is None else f'{100 * frac:.0f}%'} of the accept-length drop")
+
+
 def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Sequence, checks: Sequence[GreedyCheck],
             control: Sequence[ControlSample], extra: dict) -> dict:
     drift = next((r for r in rows if r.window == "after adaptation"), rows[0] if rows else None)
@@ -119,7 +157,7 @@ def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Seque
 
 
 def plot(path: Path, results: Sequence[RequestResult], counts: dict, phases: Sequence[Phase], events: Sequence,
-         t0: float, title: str) -> None:
+         t0: float, title: str, note: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,7 +192,7 @@ def plot(path: Path, results: Sequence[RequestResult], counts: dict, phases: Seq
             ax.axvline(event_seconds(e, t0) / 60, color=color, ls=ls, lw=1.8, label=label)
     ax.set_xlabel("minutes of traffic")
     ax.set_ylabel("accept length (tokens per verify step)")
-    ax.set_title(title, pad=18)
+    ax.set_title(title + (f"\n{note}" if note else ""), pad=18)
     ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -185,7 +223,8 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
              f"- requests {s['requests']}, failed **{s['failed_requests']}**; sampled responses equal to plain greedy "
              f"decoding: {s['greedy_checks']['checked'] - s['greedy_checks']['mismatches']}/{s['greedy_checks']['checked']}",
              f"- gate decisions: {s['candidates_considered']} candidates considered, {s['canaries']} canaries, "
-             f"{s['promotions']} promotions, {s['rollbacks']} rollbacks", "",
+             f"{s['promotions']} promotions, {s['rollbacks']} rollbacks",
+             f"- time to adapt: {adapt_line(s)}", "",
              "| window | domain | requests | heads served | accept length adapted | frozen | gain % | tok/s adapted "
              "| tok/s frozen (n) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -204,6 +243,9 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
               "with these engine settings (no prompt lookup, no suffix drafts, no cost-aware pruning). Tokens/s from "
               f"{s['control']['frozen_decoded']} requests decoded again in-process with the frozen head while the "
               "traffic ran (the same machine load).",
+              "- Time to adapt: from the drift's onset (the second phase's start) to the first candidate the trainer "
+              "wrote and to the first promotion. Recovered fraction = (adapted - frozen) / (frozen before drift - "
+              "frozen after adaptation), accept length on the same requests: the share of the drift's drop won back.",
               "- Windows: before drift = the first phase; right after drift = the first third of the next phase; after "
               "adaptation = its last third (by request start).",
               f"- Replay check: on the {rc.get('requests', 0)} requests the frozen head served itself, served "
@@ -228,4 +270,5 @@ def write(out: Path, s: dict, rows: Sequence[Row], events: Sequence, info: dict,
     (out / "report.md").write_text(markdown(s, rows, events, info))
 
 
-__all__ = ["PLOT", "Row", "event_seconds", "markdown", "plot", "replay_check", "summary", "table", "windows", "write"]
+__all__ = ["PLOT", "Row", "adapt_line", "event_seconds", "markdown", "plot", "replay_check", "summary", "table",
+           "time_to_adapt", "windows", "write"]

@@ -99,10 +99,12 @@ class _Run:
     trainer_events: list
     log_path: Path
     store: object
+    candidate_times: list  # unix seconds at which the trainer wrote each candidate (the registry's `created`)
 
 
 def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _Run:
     from adaptive_eagle.targets import load_target
+    from serving.loop_metrics import candidate_times
 
     echo("loading the target in this process (frozen-head control, greedy checks) ...")
     target = load_target(stack.config.serving.target, device=stack.config.serving.device)
@@ -139,7 +141,8 @@ def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _
     events = _trainer_events(stack)
     return _Run(stats.snapshot(), phases, list(decoder.samples), list(decoder.errors), traffic.t0, frozen, target,
                 frozen_head, control.decode_server(target, None, ENGINE), status, events, Path(info.promotion_log),
-                stack.config.store_config)
+                stack.config.store_config, candidate_times(stack.registry))
+
 
 
 def _phase_name(traffic: Traffic, t: float) -> str:
@@ -199,7 +202,8 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
              "replay_check": report.replay_check(run.results, replays, run.frozen), "trainer": run.trainer_status,
              "trainer_events": run.trainer_events[-40:], "control_errors": run.control_errors,
              "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1)}
-    s = report.summary(rows, run.results, tail.events, checks, run.control, extra)
+    s = report.summary(rows, run.results, tail.events, checks, run.control,
+                       {**report.time_to_adapt(run.phases, run.t0, run.candidate_times, tail.events, rows), **extra})
     info = {"when": time.strftime("%Y-%m-%d %H:%M"), "duration_s": extra["duration_s"],
             "target": stack_cfg.serving.target, "frozen_head": run.frozen, "scenario": [p.domain for p in run.phases],
             "clients": cfg.clients, "max_tokens": cfg.max_tokens,
@@ -208,7 +212,8 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
                        "trainer": stack_cfg.trainer.inner_fields(), "policy": stack_cfg.policy.inner_fields()}}
     report.write(out, s, rows, tail.events, info, run.log_path,
                  {"results": run.results, "counts": replays, "phases": run.phases, "events": tail.events,
-                  "t0": run.t0, "title": f"accept length per domain: adapted stack vs frozen {run.frozen}"})
+                  "t0": run.t0, "title": f"accept length per domain: adapted stack vs frozen {run.frozen}",
+                  "note": report.adapt_line(s)})
     bad = s["failed_requests"] > 0 or s["greedy_checks"]["mismatches"] > 0 or not run.results
     return DemoOutcome(s, out, 1 if bad else 0)
 

@@ -71,8 +71,10 @@ def exported_metrics() -> set[str]:
     from serving.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
-    watcher = LoopWatcher(trainer_status=lambda: {"state": "training"}, candidate_time=lambda: 0.0,
-                          last_event=lambda: {"event": "promoted", "at": 0.0}, policy_running=lambda: True)
+    drift = {"code": {"ewma": 1.5, "records": 40, "flagged": True, "baseline": 1.8, "reference": 1.8}}
+    watcher = LoopWatcher(trainer_status=lambda: {"state": "training", "drift": drift}, candidate_time=lambda: 0.0,
+                          last_event=lambda: {"event": "promoted", "at": 0.0, "promoted_at": 0.0},
+                          policy_running=lambda: True)
     watcher.poll()
     metrics.registry.register(LoopCollector(watcher))
     names = set()

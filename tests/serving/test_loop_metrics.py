@@ -1,11 +1,13 @@
 """The loop's metrics (serving/loop_metrics.py) from plain readers and a simulated clock: states reduced to one
 label, ages computed at scrape time, a part that stops answering shown as unreachable and counted (never its
-last good value), and the promotion log's newest event read from the file's tail."""
+last good value), the promotion log followed as it grows (its newest event and newest promotion), and the drift signal per
+domain."""
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from policies.log import PromotionLog
-from serving.loop_metrics import LoopCollector, LoopWatcher, newest_log_event, trainer_state_class
+from serving.loop_metrics import LoopCollector, LoopWatcher, PromotionLogFollower, trainer_state_class
+from trainer.drift import DriftMonitor
 
 
 class Clock:
@@ -72,20 +74,53 @@ def test_ages_grow_at_scrape_time_and_a_silent_trainer_is_unreachable(tmp_path):
     assert scrape(w)["ae_trainer_restarts_total"] == 1.0
 
 
-def test_no_trainer_reads_off_and_the_log_tail_gives_the_newest_event(tmp_path):
+def test_no_trainer_reads_off_and_the_log_follower_gives_the_newest_event_and_promotion(tmp_path):
     path = tmp_path / "promotions.jsonl"
-    assert newest_log_event(path) is None  # no log yet; nothing created
+    follow = PromotionLogFollower(path)
+    assert follow() is None  # no log yet; nothing created
     assert not path.exists()
     log = PromotionLog(path)
-    log.record("considered", candidate="nl-1", champion="v1", reason="offline gate on 20 replayed records")
-    log.record("rejected", candidate="nl-1", champion="v1", action="reject", reason="no tail gain")
+    log.record("promoted", candidate="nl-0", champion="v1", action="promote", reason="every replica serves nl-0")
+    log.record("considered", candidate="nl-1", champion="nl-0", reason="offline gate on 20 replayed records")
+    log.record("rejected", candidate="nl-1", champion="nl-0", action="reject", reason="no tail gain")
     with open(path, "a") as f:
-        f.write('{"torn": ')  # a torn last line is skipped for the one before it
-    e = newest_log_event(path)
+        f.write('{"torn": ')  # a line still being written waits for its end
+    e = follow()
     assert (e["event"], e["candidate"], e["action"]) == ("rejected", "nl-1", "reject") and e["at"] > 0
-    w = LoopWatcher(trainer_status=None, candidate_time=lambda: None, last_event=lambda: newest_log_event(path),
+    assert e["promoted"] == "nl-0" and 0 < e["promoted_at"] <= e["at"]
+    with open(path, "a") as f:
+        f.write('"line"}\n')  # the torn line ends corrupt: skipped, and the newest event stays
+    assert follow()["event"] == "rejected"
+    log.record("considered", candidate="nl-2", champion="nl-0", reason="offline gate on 30 replayed records")
+    e = follow()  # only the appended lines are read, and the promotion far back is still known
+    assert (e["event"], e["candidate"], e["promoted"]) == ("considered", "nl-2", "nl-0")
+    path.write_text("")  # replaced by an empty log: nothing is known any more
+    assert follow() is None
+    w = LoopWatcher(trainer_status=None, candidate_time=lambda: None, last_event=follow,
                     policy_running=lambda: False)
     w.poll()
     m = scrape(w)
     assert m['ae_trainer_state{state="off"}'] == 1.0 and "ae_trainer_last_step_age_seconds" not in m
     assert "ae_candidate_last_age_seconds" not in m and m["ae_policy_running"] == 0.0
+    assert "ae_last_promotion_age_seconds" not in m
+
+
+def test_time_since_the_last_promotion_and_the_drift_signal_per_domain():
+    clock = Clock()
+    drift = DriftMonitor(alpha=0.5, drop=0.1, min_records=3, sustain=2)
+    for x in (2.0, 2.0, 2.0):
+        drift.observe("english", x, "v1")
+    for x in (2.0, 2.0, 2.0, 1.2, 1.2, 1.2):
+        drift.observe("code", x, "v1")
+    status = {"state": "training", "pid": 1, "drift": drift.table()}
+    w = LoopWatcher(trainer_status=lambda: status, candidate_time=lambda: None,
+                    last_event=lambda: {"event": "considered", "candidate": "nl-2", "action": None, "at": clock.now,
+                                        "promoted_at": clock.now - 600, "promoted": "nl-1"},
+                    policy_running=lambda: True, clock=clock)
+    w.poll()
+    clock.now += 5
+    m = scrape(w)
+    assert m["ae_last_promotion_age_seconds"] == 605.0
+    assert m['ae_drift_flagged{domain="code"}'] == 1.0 and m['ae_drift_flagged{domain="english"}'] == 0.0
+    assert m['ae_drift_accept_length{domain="code"}'] < 0.9 * m['ae_drift_reference_accept_length{domain="code"}']
+    assert m['ae_drift_reference_accept_length{domain="english"}'] == 2.0
