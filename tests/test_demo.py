@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError, demo_stack_config, phase_plan
 from adaptive_eagle_cli.demo.control import ControlSample, StepCounts
-from adaptive_eagle_cli.demo.report import adapt_line, summary, table, time_to_adapt
+from adaptive_eagle_cli.demo.report import adapt_line, latency_line, summary, table, time_to_adapt
 from adaptive_eagle_cli.demo.traffic import Prompt, RequestResult, jsonl_pools
 from policies.log import PromotionEvent
 
@@ -100,6 +100,7 @@ def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests()
                      "recovered_fraction": 6.0}  # (2.0 - 1.4) / (1.5 - 1.4): more than the drop was won back
     assert "promotion 0.6 min" in adapt_line(adapt) and "recovered 600%" in adapt_line(adapt)
     assert time_to_adapt(phases[:1], t0, [], [], rows)["time_to_promotion_s"] is None  # no drift, no figure
+    assert latency_line(None).startswith("no candidate")
     s = summary(rows, results, [], [], control, adapt)
     assert SUMMARY_KEYS <= set(s) and s["failed_requests"] == 1 and s["drift_accept_length_adapted"] == 2.0
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from adaptive_eagle.atomic import staging_dir
@@ -75,6 +76,36 @@ def is_heldout(request_id: str, percent: int) -> bool:
     return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) % 100 < percent
 
 
+def candidate_latency(trained: list[tuple[float, float, float]], eval_started: float, written: float) -> dict | None:
+    """Trainer latency of a candidate: for each record it is the first candidate to have trained on (captured,
+    read by the trainer, trained: unix seconds), the time from its capture to the candidate being written, and
+    the medians of the stages it went through: capture to the trainer (the store and the poll), queued (waiting
+    for a batch's worth of fresh tokens or for requests to drain), trained to evaluation (the candidate
+    cadence), evaluation (replaying candidate and champion). None when no fresh record was trained."""
+    if not trained:
+        return None
+    captured, read, stepped = (np.asarray(c, dtype=float) for c in zip(*trained))
+    total = written - captured
+
+    def r(x: float) -> float:
+        return round(float(x), 1)
+
+    return {"records": len(trained), "capture_to_candidate_p50": r(np.median(total)),
+            "capture_to_candidate_min": r(total.min()), "capture_to_candidate_max": r(total.max()),
+            "stages_p50": {"capture_to_trainer": r(np.median(read - captured)), "queued": r(np.median(stepped - read)),
+                           "trained_to_evaluation": r(np.median(eval_started - stepped)),
+                           "evaluation": r(written - eval_started)}}
+
+
+def describe_latency(latency: dict) -> str:
+    """One line: the capture-to-candidate time of a candidate's records and where the median went."""
+    st = latency["stages_p50"]
+    return (f"its {latency['records']} new records were captured {latency['capture_to_candidate_min']:.0f}-"
+            f"{latency['capture_to_candidate_max']:.0f} s before (median {latency['capture_to_candidate_p50']:.0f} s: "
+            f"{st['capture_to_trainer']:.0f} s to the trainer, {st['queued']:.0f} s queued, "
+            f"{st['trained_to_evaluation']:.0f} s to the candidate's evaluation, {st['evaluation']:.0f} s evaluating)")
+
+
 @dataclass(frozen=True)
 class TrainerStatus:
     champion: str  # the version this trainer fine-tunes (registry name, "none": cold start)
@@ -100,6 +131,9 @@ class TrainerStatus:
     last_error: str | None = None  # "<type>: <message>" of the latest
     last_step_at: float | None = None  # unix seconds of the latest optimizer step in this process (None: none yet)
     pid: int | None = None  # the process the trainer runs in: a new one after Ray restarted the actor
+    # the last candidate's trainer latency (`candidate_latency`): capture to candidate of the records it was the
+    # first to train on, and where that time went (None: no candidate yet in this process)
+    candidate_latency: dict | None = None
 
 
     def to_dict(self) -> dict:
@@ -146,6 +180,11 @@ class NearlineTrainer:
         self._store_errors = 0  # store errors in a row (the backoff's exponent)
         self._degraded_since: float | None = None  # unix seconds of the first of them
         self.events: deque[str] = deque(maxlen=200)  # drift and candidate lines, newest last
+        # trainer latency: when each fresh record was read (delivery id -> unix s), and for the records trained
+        # since the last candidate, (captured, read, trained) unix seconds; a candidate reports the spread
+        self._read_at: dict[str, float] = {}
+        self._trained_times: list[tuple[float, float, float]] = []
+        self.last_candidate_latency: dict | None = None
         self._last_checkpoint = self._last_candidate_t = self._last_champion_check = time.monotonic()
         self._tokens_at_candidate = 0
         # data-parallel step (cfg.workers > 1): the worker group, started at the first step; whether it holds
@@ -195,6 +234,7 @@ class NearlineTrainer:
         self.counters = {**self._zero_counters(), "records_seen": self.counters["records_seen"]}
         self._tokens_at_candidate = 0
         self._last_candidate_t = time.monotonic()
+        self._trained_times = []  # what the old head trained on is not in the new one
         self.drift.reset(None if champion == PLAIN else champion)
         if self.moe is not None:  # the champion's domain -> expert map (head.json training.moe)
             self.moe.reset(self.registry.version(champion).training if champion != PLAIN else {})
@@ -269,6 +309,7 @@ class NearlineTrainer:
             self.done_ids.append(delivery_id)  # kept in the checkpoint's pool
         else:
             self.fresh.append((delivery_id, rec))
+            self._read_at[delivery_id] = time.time()
             self.counters["tokens_received"] += min(len(rec.input_ids), self.cfg.max_len)
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -341,7 +382,10 @@ class NearlineTrainer:
         self.counters["regenerated_rows"] += regenerated
         self.loss = stats.loss
         self.last_batch = {"fresh": len(fresh), "replay": len(replayed), "tokens": tokens, "regenerated": regenerated}
+        trained_at = time.time()
         for delivery_id, rec in fresh:
+            read_at = self._read_at.pop(delivery_id, trained_at)
+            self._trained_times.append((min(rec.created_at, read_at), read_at, trained_at))
             payload = encode_record(rec, self.cfg.store.codec)
             self.buffer.add(payload, rec.domain, len(payload))
             self.done_ids.append(delivery_id)
@@ -498,7 +542,9 @@ class NearlineTrainer:
         self.state = "evaluating"
         self.sync_head()
         cand = copy.deepcopy(self.head).to(torch.bfloat16).float().eval()  # exactly what the registry stores
+        t_eval = time.time()
         score, champ, skipped = self.evaluate(cand)
+        latency = candidate_latency(self._trained_times, t_eval, time.time())
         name = self._candidate_name()
         moe_training, moe_metrics = candidate_meta(cand, self.target, self.heldout_records(), self.moe)
         if self.moe is not None:
@@ -506,7 +552,7 @@ class NearlineTrainer:
         meta = HeadMeta.new(name, self.target.name, self.target.fingerprint,
                             parent=None if self.base == PLAIN else self.base,
                             data={"source": "captured traffic", "window": self.counters["window"],
-                                  "records_trained": self.counters["records_trained"]},
+                                  "records_trained": self.counters["records_trained"], "latency_s": latency},
                             training={"trainer": "nearline", "steps": self.counters["steps"],
                                       "tokens": self.counters["tokens_trained"], "lr": self.cfg.lr,
                                       "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio,
@@ -516,8 +562,11 @@ class NearlineTrainer:
         self.counters["candidates"].append(name)
         self._tokens_at_candidate = self.counters["tokens_trained"]
         self._last_candidate_t = time.monotonic()
+        self._trained_times = []
+        self.last_candidate_latency = latency
         gain = f" vs champion {champ.mean:.3f}" if champ is not None else " vs plain decoding 1.000"
-        self._note(f"candidate {name}: replayed accept length {score.mean:.3f}{gain} on {len(score.records)} records")
+        self._note(f"candidate {name}: replayed accept length {score.mean:.3f}{gain} on {len(score.records)} records"
+                   + (f"; {describe_latency(latency)}" if latency else ""))
         return name
 
     def _candidate_name(self) -> str:
@@ -638,7 +687,8 @@ class NearlineTrainer:
             buffer=self.buffer.domains(), skipped=dict(c["skipped"]), duplicates=c["duplicates"],
             regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state,
             moe=self.moe.status() if self.moe is not None else None, errors_total=self.errors_total,
-            last_error=self.last_error, last_step_at=self.last_step_at, pid=os.getpid())
+            last_error=self.last_error, last_step_at=self.last_step_at, pid=os.getpid(),
+            candidate_latency=self.last_candidate_latency)
 
     def close(self) -> None:
         if self.data_parallel is not None:
@@ -647,4 +697,4 @@ class NearlineTrainer:
         self.reader.close()
 
 
-__all__ = ["InjectedFault", "NearlineTrainer", "TrainerStatus", "is_heldout"]
+__all__ = ["InjectedFault", "NearlineTrainer", "TrainerStatus", "candidate_latency", "describe_latency", "is_heldout"]

@@ -120,6 +120,14 @@ def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[
             "recovered_fraction": recovered}
 
 
+def latency_line(trainer_status: Optional[dict]) -> str:
+    """The trainer's last candidate: how long after capture its records reached it, and where the time went."""
+    from trainer.nearline import describe_latency
+
+    latency = (trainer_status or {}).get("candidate_latency")
+    return describe_latency(latency) if latency else "no candidate in the trainer's current process"
+
+
 def adapt_line(s: dict) -> str:
     """One line on the time to adapt, for the report and the plot."""
     def minutes(x) -> str:
@@ -224,7 +232,8 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
              f"decoding: {s['greedy_checks']['checked'] - s['greedy_checks']['mismatches']}/{s['greedy_checks']['checked']}",
              f"- gate decisions: {s['candidates_considered']} candidates considered, {s['canaries']} canaries, "
              f"{s['promotions']} promotions, {s['rollbacks']} rollbacks",
-             f"- time to adapt: {adapt_line(s)}", "",
+             f"- time to adapt: {adapt_line(s)}",
+             f"- trainer latency, last candidate: {latency_line(s.get('trainer'))}", "",
              "| window | domain | requests | heads served | accept length adapted | frozen | gain % | tok/s adapted "
              "| tok/s frozen (n) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -270,5 +279,5 @@ def write(out: Path, s: dict, rows: Sequence[Row], events: Sequence, info: dict,
     (out / "report.md").write_text(markdown(s, rows, events, info))
 
 
-__all__ = ["PLOT", "Row", "adapt_line", "event_seconds", "markdown", "plot", "replay_check", "summary", "table",
+__all__ = ["PLOT", "Row", "adapt_line", "latency_line", "event_seconds", "markdown", "plot", "replay_check", "summary", "table",
            "time_to_adapt", "windows", "write"]

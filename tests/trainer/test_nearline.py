@@ -19,7 +19,7 @@ from feature_store.reader import StoreReader
 from feature_store.writer import write_records
 from tests.adaptive_eagle.test_engine import tiny_setup
 from trainer.config import NearlineConfig
-from trainer.nearline import NearlineTrainer, is_heldout
+from trainer.nearline import NearlineTrainer, candidate_latency, describe_latency, is_heldout
 
 N_RECORDS = 24
 
@@ -175,8 +175,25 @@ def test_candidate_carries_replay_scores_next_to_the_champion_and_the_trainer_fo
     assert n == sum(tr.status().heldout.values()) and n > 0
     assert len(replay["samples"]["candidate"]) == len(replay["samples"]["champion"]) > 0
     assert [s[0] for s in replay["samples"]["candidate"]] == [s[0] for s in replay["samples"]["champion"]]
+    lat = v.data["latency_s"]  # every fresh record trained so far is new in this candidate
+    assert lat["records"] == tr.counters["records_trained"] > 0 and tr.status().candidate_latency == lat
+    assert 0 <= lat["capture_to_candidate_min"] <= lat["capture_to_candidate_p50"] <= lat["capture_to_candidate_max"]
+    assert set(lat["stages_p50"]) == {"capture_to_trainer", "queued", "trained_to_evaluation", "evaluation"}
+    assert "new records were captured" in tr.events[-1]
     tr.registry.set_champion(name, expect="v1")
     assert tr.follow_champion() and tr.base == name and tr.counters["steps"] == 0
+
+
+def test_trainer_latency_splits_capture_to_candidate_into_its_stages():
+    # (captured, read, trained) for three records; evaluation from 100 to 130
+    lat = candidate_latency([(0.0, 2.0, 10.0), (20.0, 21.0, 50.0), (40.0, 44.0, 60.0)], 100.0, 130.0)
+    assert (lat["records"], lat["capture_to_candidate_min"], lat["capture_to_candidate_p50"],
+            lat["capture_to_candidate_max"]) == (3, 90.0, 110.0, 130.0)
+    assert lat["stages_p50"] == {"capture_to_trainer": 2.0, "queued": 16.0, "trained_to_evaluation": 50.0,
+                                 "evaluation": 30.0}
+    assert candidate_latency([], 0.0, 1.0) is None
+    assert "median 110 s: 2 s to the trainer, 16 s queued, 50 s to the candidate's evaluation" in \
+        describe_latency(lat)
 
 
 def test_records_of_another_target_are_refused_and_counted(tmp_path, world):
