@@ -42,8 +42,9 @@ class PolicyActor:
         self.tick_errors = 0
 
     async def consider(self, candidate: str, replay_champion: Sequence[RequestSample],
-                       replay_candidate: Sequence[RequestSample]) -> Decision:
-        return await asyncio.to_thread(self.controller.consider, candidate, replay_champion, replay_candidate)
+                       replay_candidate: Sequence[RequestSample], exact_replay: bool = False) -> Decision:
+        return await asyncio.to_thread(self.controller.consider, candidate, replay_champion, replay_candidate,
+                                       exact_replay=exact_replay)
 
     async def tick(self) -> Decision | None:
         return await asyncio.to_thread(self.controller.tick)

@@ -63,6 +63,26 @@ class PolicyConfig(BaseModel):
         "interval's lower bound is above -margin x the champion's tail (unpaired live requests of different "
         "prompts cannot resolve a gain of a few percent in a few dozen requests); in [0, 0.2]"))
 
+    canary_mode: Literal["auto", "evidence", "health"] = Field("auto", description=(
+        "'evidence': the canary carries the evidence (canary_min_requests, the tail test below). 'health': the "
+        "canary only checks that the candidate is healthy live (no collapse, no acceptance or latency harm "
+        "beyond canary_health_margin) over canary_health_requests, because the offline gate's exact replay "
+        "already proved the gain. 'auto': health when every record the candidate was replayed on was greedy "
+        "(replay is exact), evidence otherwise; in {auto, evidence, health}"))
+    canary_health_requests: int = Field(50, ge=5, le=10_000_000, description=(
+        "live requests per head a health canary serves before it passes (it fails as soon as harm shows); "
+        "in [5, 1e7]"))
+    canary_health_margin: float = Field(0.1, gt=0.0, le=0.5, description=(
+        "a health canary fails when the anytime bounds show the candidate's median accept length below the "
+        "champion's, or its median time per output token above it, by more than this fraction; in (0, 0.5]"))
+    sequential: bool = Field(True, description=(
+        "true: the evidence canary looks at every tick from canary_min_requests on and decides as soon as its "
+        "anytime-valid bounds (confidence sequences, policies/sequential.py) allow, up to canary_max_requests; "
+        "false: one look at canary_min_requests with the bootstrap interval; in {true, false}"))
+    canary_max_requests: int = Field(4000, ge=20, le=10_000_000, description=(
+        "live requests per head after which a sequential evidence canary that has not decided is rejected as "
+        "inconclusive; in [20, 1e7]"))
+
     # ---- rollback watch after a promotion ----
     rollback_window: int = Field(200, ge=20, le=10_000_000, description=(
         "requests of the new champion watched after a promotion before the watch ends; in [20, 1e7]"))
@@ -87,6 +107,9 @@ class PolicyConfig(BaseModel):
         if self.min_domain_samples > self.min_samples:
             raise ValueError(f"min_domain_samples ({self.min_domain_samples}) must be <= min_samples "
                              f"({self.min_samples})")
+        if self.canary_max_requests < self.canary_min_requests:
+            raise ValueError(f"canary_max_requests ({self.canary_max_requests}) must be >= canary_min_requests "
+                             f"({self.canary_min_requests})")
         if self.collapse_min_requests > self.rollback_window:
             raise ValueError(f"collapse_min_requests ({self.collapse_min_requests}) must be <= rollback_window "
                              f"({self.rollback_window})")

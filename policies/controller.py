@@ -31,7 +31,8 @@ from typing import Callable, Literal, Mapping, Protocol, Sequence
 from policies.config import PolicyConfig
 from policies.fleet import Fleet
 from policies.gates import (
-    CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK, Decision, canary_gate, cold_start_gate, offline_gate, rollback_check,
+    CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK, Decision, canary_gate, cold_start_gate, health_canary_gate, offline_gate,
+    rollback_check,
 )
 from policies.log import PromotionLog
 from policies.samples import PLAIN, RequestSample
@@ -72,6 +73,25 @@ class CanaryRun:
     candidate: str
     champion: str
     since: float  # unix seconds: live samples from here on count
+    mode: str = "evidence"  # "health" (exact replay proved the gain), "evidence" or "cold_start"
+
+
+def canary_mode(config: PolicyConfig, champion: str, exact_replay: bool) -> str:
+    """Which canary a candidate that passed the offline gate gets: "cold_start" against plain decoding (wall
+    time per token), else config.canary_mode, where "auto" is "health" when its replay was exact (greedy
+    records only) and "evidence" otherwise."""
+    if champion == PLAIN:
+        return "cold_start"
+    if config.canary_mode != "auto":
+        return config.canary_mode
+    return "health" if exact_replay else "evidence"
+
+
+CANARY_GATES = {"health": health_canary_gate, "evidence": canary_gate, "cold_start": cold_start_gate}
+CANARY_NAMES = {"health": "health canary (exact replay proved the gain; live checks collapse, acceptance and "
+                          "latency harm)",
+                "evidence": "evidence canary (replay was not exact: the live tail carries the evidence)",
+                "cold_start": "cold-start canary (TPOT against plain decoding)"}
 
 
 @dataclass(frozen=True)
@@ -158,7 +178,7 @@ class PolicyController:
         with self._lock:
             run, watch = self._canary, self._watch
             return {"state": self._state, "champion": self.registry.champion(),
-                    "canary": None if run is None else {"candidate": run.candidate, "since": run.since},
+                    "canary": None if run is None else {"candidate": run.candidate, "since": run.since, "mode": run.mode},
                     "watching": None if watch is None else {"version": watch.version, "previous": watch.previous,
                                                             "since": watch.since},
                     "serving": self.fleet.serving_versions()}
@@ -173,8 +193,10 @@ class PolicyController:
 
     # ---- a candidate arrives -----------------------------------------------------------------------
     def consider(self, candidate: str, replay_champion: Sequence[RequestSample],
-                 replay_candidate: Sequence[RequestSample]) -> Decision:
-        """Offline gate on acceptance replay (both heads on the same records); a pass starts the canary."""
+                 replay_candidate: Sequence[RequestSample], *, exact_replay: bool = False) -> Decision:
+        """Offline gate on acceptance replay (both heads on the same records); a pass starts the canary.
+        exact_replay: every replayed record was greedy, so the replay is what the head would have served and
+        the canary only checks live health (`canary_mode`)."""
         with self._lock:
             champion = self.registry.champion()
             refusal = self._refusal(candidate, champion)
@@ -207,12 +229,12 @@ class PolicyController:
                 self._to("idle", "canary refused by the fleet")
                 return Decision(REJECT, reason, decision.evidence)
             self._to("canary", f"{candidate} passed the offline gate")
-            self._canary = CanaryRun(candidate=candidate, champion=champion, since=self.clock())
-            gate = "cold-start canary (TPOT)" if champion == PLAIN else "canary"
+            mode = canary_mode(self.config, champion, exact_replay)
+            self._canary = CanaryRun(candidate=candidate, champion=champion, since=self.clock(), mode=mode)
             self.plog.record("canary_started", candidate=candidate, champion=champion, action=PROMOTE,
-                             evidence=decision.evidence, reason=f"offline gate passed, {gate} on "
-                                                                f"{self.config.canary_fraction:.0%} of requests: "
-                                                                f"{decision.reason}")
+                             evidence={**decision.evidence, "canary": mode, "exact_replay": exact_replay},
+                             reason=f"offline gate passed, {CANARY_NAMES[mode]} on "
+                                    f"{self.config.canary_fraction:.0%} of requests: {decision.reason}")
             return decision
 
     def _refusal(self, candidate: str, champion: str) -> Decision | None:
@@ -249,8 +271,7 @@ class PolicyController:
             return self._end_canary(run, Decision(HOLD, f"canary of {run.candidate} ended: {why}."))
         champ = self.fleet.live_samples(run.champion, run.since)
         cand = self.fleet.live_samples(run.candidate, run.since)
-        gate = cold_start_gate if run.champion == PLAIN else canary_gate
-        decision = gate(champ, cand, self.config)
+        decision = CANARY_GATES[run.mode](champ, cand, self.config)
         if decision.action == CONTINUE:
             return decision
         self._end_canary(run, decision)

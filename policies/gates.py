@@ -33,6 +33,7 @@ from scipy.stats import bootstrap
 
 from policies.config import PolicyConfig
 from policies.samples import PLAIN, RequestSample
+from policies.sequential import quantile_bound
 
 Action = Literal["promote", "reject", "continue", "rollback", "hold"]
 PROMOTE, REJECT, CONTINUE, ROLLBACK, HOLD = "promote", "reject", "continue", "rollback", "hold"
@@ -265,13 +266,120 @@ def offline_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestS
 
 def canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
                 config: PolicyConfig) -> Decision:
-    """Live canary, both heads' requests since the canary began (unpaired): continue until each head has
+    """Live canary that carries the evidence, both heads' requests since the canary began (unpaired). With
+    config.sequential, `sequential_canary_gate`; otherwise continue until each head has
     config.canary_min_requests, then promote or reject (one look, so no repeated-testing inflation). With
     config.canary_margin > 0 it is a non-inferiority check: the tail may not be worse beyond the margin."""
+    if config.sequential:
+        return sequential_canary_gate(champion, candidate, config)
     wait = _too_few("canary", len(champion), len(candidate), config.canary_min_requests, "live requests")
     if wait is not None:
         return wait
     return _judge(compare(champion, candidate, config), config, "canary", margin=config.canary_margin)
+
+
+def _mean(xs) -> float | None:
+    return float(np.mean(xs)) if len(xs) else None
+
+
+def health_canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
+                       config: PolicyConfig) -> Decision:
+    """Live canary of a candidate whose gain the offline gate proved on exact (greedy) replay: it checks only
+    that the candidate is healthy live, at every tick. Reject at once on a collapse (mean accept length at or
+    under config.collapse_accept_length over at least config.collapse_min_requests requests) or as soon as the
+    anytime bounds on the medians show harm beyond config.canary_health_margin: the candidate's median accept
+    length below the champion's, or its median time per output token above the champion's. Promote when both
+    heads served config.canary_health_requests without harm; continue before. The four bounds take
+    (1 - level) / 4 each, so a healthy candidate is rejected with probability at most 1 - level however often
+    the gate looks (policies/sequential.py)."""
+    m, alpha = config.canary_health_margin, (1.0 - config.confidence_level) / 4
+    acc = [np.array([s.accept_length for s in side], dtype=float) for side in (champion, candidate)]
+    tpot = [np.array([s.tpot_s for s in side if s.tpot_s is not None and np.isfinite(s.tpot_s)], dtype=float)
+            for side in (champion, candidate)]
+
+    def median(x: np.ndarray) -> float | None:
+        return float(np.median(x)) if len(x) else None
+
+    ev: dict = {"gate": "canary_health", "n_champion": len(champion), "n_candidate": len(candidate),
+                "needed": config.canary_health_requests, "margin": m, "level": config.confidence_level,
+                "mean_champion": _mean(acc[0]), "mean_candidate": _mean(acc[1]),
+                "median_champion": median(acc[0]), "median_candidate": median(acc[1]),
+                "median_tpot_champion": median(tpot[0]), "median_tpot_candidate": median(tpot[1])}
+    if len(acc[1]) >= config.collapse_min_requests and ev["mean_candidate"] <= config.collapse_accept_length:
+        return Decision(REJECT, f"collapse: the candidate's mean accept length {ev['mean_candidate']:.3f} over "
+                                f"{len(acc[1])} live requests is at or under {config.collapse_accept_length:.2f}.", ev)
+    bounds = {"accept_upper_candidate": quantile_bound(acc[1], 0.5, alpha, "upper"),
+              "accept_lower_champion": quantile_bound(acc[0], 0.5, alpha, "lower"),
+              "tpot_lower_candidate": quantile_bound(tpot[1], 0.5, alpha, "lower"),
+              "tpot_upper_champion": quantile_bound(tpot[0], 0.5, alpha, "upper")}
+    ev.update({k: (v if np.isfinite(v) else None) for k, v in bounds.items()})
+    if bounds["accept_upper_candidate"] < (1 - m) * bounds["accept_lower_champion"]:
+        return Decision(REJECT, f"live median accept length is lower than the champion's by more than {m:.0%}: "
+                                f"{ev['median_champion']:.3f} -> {ev['median_candidate']:.3f} (candidate at most "
+                                f"{bounds['accept_upper_candidate']:.3f}, champion at least "
+                                f"{bounds['accept_lower_champion']:.3f}, anytime bounds).", ev)
+    if bounds["tpot_lower_candidate"] > (1 + m) * bounds["tpot_upper_champion"]:
+        return Decision(REJECT, f"live median time per output token is higher than the champion's by more than "
+                                f"{m:.0%}: {1000 * ev['median_tpot_champion']:.1f} -> "
+                                f"{1000 * ev['median_tpot_candidate']:.1f} ms (anytime bounds).", ev)
+    wait = _too_few("canary_health", len(acc[0]), len(acc[1]), config.canary_health_requests, "live requests")
+    if wait is not None:
+        return Decision(CONTINUE, wait.reason, ev)
+    tp = ("" if ev["median_tpot_champion"] is None or ev["median_tpot_candidate"] is None else
+          f", median TPOT {1000 * ev['median_tpot_champion']:.1f} -> {1000 * ev['median_tpot_candidate']:.1f} ms")
+    return Decision(PROMOTE, f"healthy live over {len(acc[1])} requests (no collapse, no harm beyond {m:.0%}): "
+                             f"median accept length {ev['median_champion']:.3f} -> {ev['median_candidate']:.3f}{tp}; "
+                             "the gain was proved by the offline gate on exact replay.", ev)
+
+
+def sequential_canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
+                           config: PolicyConfig) -> Decision:
+    """Live canary that carries the evidence (sampled traffic, where replay is not exact), at every tick from
+    config.canary_min_requests on, with anytime-valid bounds on each head's tail quantile (tail_quantile of
+    accept length; policies/sequential.py), unpaired. Promote as soon as the candidate's lower bound is above
+    (1 - canary_margin) x the champion's upper bound, then the mean and domain checks as the other gates; reject
+    as soon as its upper bound is at or under (1 - margin) x the champion's lower bound (it cannot clear the
+    bar), or at config.canary_max_requests per head (inconclusive). Each bound takes (1 - level) / 2: a
+    candidate under the bar is promoted with probability at most 1 - level however often the gate looks."""
+    wait = _too_few("canary", len(champion), len(candidate), config.canary_min_requests, "live requests")
+    if wait is not None:
+        return wait
+    q, m, alpha = config.tail_quantile, config.canary_margin, (1.0 - config.confidence_level) / 2
+    a = np.array([s.accept_length for s in champion], dtype=float)
+    b = np.array([s.accept_length for s in candidate], dtype=float)
+    low_b, high_a = quantile_bound(b, q, alpha, "lower"), quantile_bound(a, q, alpha, "upper")
+    high_b, low_a = quantile_bound(b, q, alpha, "upper"), quantile_bound(a, q, alpha, "lower")
+    tail_a, tail_b = float(np.quantile(a, q)), float(np.quantile(b, q))
+    ev = {"gate": "canary", "sequential": True, "quantile": q, "margin": m, "level": config.confidence_level,
+          "n_champion": len(a), "n_candidate": len(b), "tail_champion": tail_a, "tail_candidate": tail_b,
+          "mean_champion": float(a.mean()), "mean_candidate": float(b.mean()),
+          **{k: (float(v) if np.isfinite(v) else None) for k, v in (
+              ("tail_lower_candidate", low_b), ("tail_upper_champion", high_a), ("tail_upper_candidate", high_b),
+              ("tail_lower_champion", low_a))},
+          "domains": [asdict(r) for r in _domain_rows(champion, candidate, lambda s: s.accept_length, 1.0, q,
+                                                      config)]}
+    what = f"p{round(100 * q)} accept length"
+    bar = f"{1 - m:.0%} of the champion's" if m > 0 else "the champion's"
+    if low_b > (1 - m) * high_a:
+        if _dropped(ev["mean_candidate"] - ev["mean_champion"], ev["mean_champion"], config.mean_tolerance):
+            return Decision(REJECT, f"the mean accept length regresses ({ev['mean_champion']:.3f} -> "
+                                    f"{ev['mean_candidate']:.3f}), more than the {config.mean_tolerance:.0%} "
+                                    "tolerance.", ev)
+        bad = [r for r in ev["domains"] if r["regressed"]]
+        if bad:
+            return Decision(REJECT, f"domain {', '.join(r['domain'] for r in bad)} regresses by more than the "
+                                    f"{config.domain_tolerance:.0%} tolerance.", ev)
+        return Decision(PROMOTE, f"{what} is above {bar} at every look's level {config.confidence_level:.0%}: "
+                                 f"{tail_a:.3f} -> {tail_b:.3f} (candidate at least {low_b:.3f}, champion at most "
+                                 f"{high_a:.3f}) after {len(b)} live requests.", ev)
+    if high_b <= (1 - m) * low_a:
+        return Decision(REJECT, f"{what} cannot clear {bar}: {tail_a:.3f} -> {tail_b:.3f} (candidate at most "
+                                f"{high_b:.3f}, champion at least {low_a:.3f}) after {len(b)} live requests.", ev)
+    if min(len(a), len(b)) >= config.canary_max_requests:
+        return Decision(REJECT, f"inconclusive after {config.canary_max_requests} live requests per head: {what} "
+                                f"{tail_a:.3f} -> {tail_b:.3f}, the bounds still overlap the bar.", ev)
+    return Decision(CONTINUE, f"{what} {tail_a:.3f} -> {tail_b:.3f} after {len(b)} live requests: not decided "
+                              "yet (anytime bounds).", ev)
 
 
 def cold_start_gate(plain: Sequence[RequestSample], candidate: Sequence[RequestSample],
@@ -333,6 +441,7 @@ def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[Reque
 
 __all__ = [
     "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "Decision", "DomainRow",
-    "canary_gate", "cold_start_gate", "compare", "offline_gate", "pair_by_request", "rollback_check",
+    "canary_gate", "cold_start_gate", "compare", "health_canary_gate", "offline_gate", "pair_by_request",
+    "rollback_check", "sequential_canary_gate",
     "tail_gain_interval", "tail_of",
 ]

@@ -36,6 +36,12 @@ def replay_samples(metrics: dict, candidate: str) -> Optional[tuple[list[Request
     return rows("champion", champion), rows("candidate", candidate)
 
 
+def replay_exact(metrics: dict) -> bool:
+    """Whether a candidate's replay was exact: every record it was replayed on was greedy (head.json's
+    metrics.replay.exact; False when absent). The policy then runs a health canary (policies.controller)."""
+    return bool(((metrics or {}).get("replay") or {}).get("exact", False))
+
+
 class CandidateFeed:
     def __init__(self, registry, known: Optional[set[str]] = None) -> None:
         """known: versions never to consider (default: every version in the registry now)."""
@@ -66,8 +72,9 @@ class CandidateFeed:
         if status.get("state") != "idle" or self.registry.pinned() is not None:
             return None
         version, self.pending = self.pending, None
-        champ, cand = replay_samples(self.registry.version(version).metrics, version)
-        decision = await policy.consider(version, champ, cand)
+        metrics = self.registry.version(version).metrics
+        champ, cand = replay_samples(metrics, version)
+        decision = await policy.consider(version, champ, cand, replay_exact(metrics))
         self.considered.append((version, decision.action))
         log.info("candidate feed: %s considered: %s (%s)", version, decision.action, decision.reason)
         return decision
@@ -84,4 +91,4 @@ class CandidateFeed:
                 pass
 
 
-__all__ = ["CandidateFeed", "replay_samples"]
+__all__ = ["CandidateFeed", "replay_exact", "replay_samples"]

@@ -112,8 +112,12 @@ def _live_minimums(cfg: StackConfig, problems: list[Problem], notes: list[str]) 
     if not cfg.policy.enabled:
         return
     gates, kept = cfg.policy.gates(), cfg.serving.live_samples_max
-    for name, need in (("policy.canary_min_requests", gates.canary_min_requests),
-                       ("policy.rollback_window", gates.rollback_window)):
+    needs = [("policy.canary_min_requests", gates.canary_min_requests), ("policy.rollback_window", gates.rollback_window)]
+    if gates.canary_mode != "evidence":
+        needs.append(("policy.canary_health_requests", gates.canary_health_requests))
+    if gates.canary_mode != "health" and gates.sequential:  # its bounds run over every request since the start
+        needs.append(("policy.canary_max_requests", gates.canary_max_requests))
+    for name, need in needs:
         if need > kept:
             problems.append(Problem((name, "serving.live_samples_max"), (
                 f"needs {need} live requests of a head, but the gateway keeps only the last {kept} per head: it "

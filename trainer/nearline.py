@@ -76,6 +76,12 @@ def is_heldout(request_id: str, percent: int) -> bool:
     return int(hashlib.sha256(request_id.encode()).hexdigest()[:8], 16) % 100 < percent
 
 
+def greedy_records(score: ReplayScore, records: list[TraceRecord]) -> int:
+    """How many of the records a score replayed were greedy (temperature 0): their replay is exact."""
+    replayed = {r.request_id for r in score.records}
+    return sum(1 for r in records if r.request_id in replayed and r.sampling.temperature == 0)
+
+
 def candidate_latency(trained: list[tuple[float, float, float]], eval_started: float, written: float) -> dict | None:
     """Trainer latency of a candidate: for each record it is the first candidate to have trained on (captured,
     read by the trainer, trained: unix seconds), the time from its capture to the candidate being written, and
@@ -557,7 +563,9 @@ class NearlineTrainer:
                                       "tokens": self.counters["tokens_trained"], "lr": self.cfg.lr,
                                       "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio,
                                       **moe_training},
-                            metrics={"replay": replay_metrics(score, champ, self.base, self.cfg.tree, skipped), **moe_metrics})
+                            metrics={"replay": replay_metrics(score, champ, self.base, self.cfg.tree, skipped,
+                                                              greedy_records(score, self.heldout_records())),
+                                     **moe_metrics})
         self.registry.register(cand, meta)
         self.counters["candidates"].append(name)
         self._tokens_at_candidate = self.counters["tokens_trained"]

@@ -222,16 +222,19 @@ def replay_heads(heads: dict[str, Eagle3DraftHead], records: Sequence[TraceRecor
 
 
 def replay_metrics(candidate: ReplayScore, champion: ReplayScore | None, champion_version: str, tree: TreeParams,
-                   skipped: dict) -> dict:
+                   skipped: dict, greedy_records: int | None = None) -> dict:
     """What a candidate's head.json records of its replay: both summaries and the per-record samples
     ([request_id, domain, accept_length]) the policy's offline gate pairs by request id. With no
-    champion head (plain decoding, "none"), every record scores 1.0 for the champion."""
+    champion head (plain decoding, "none"), every record scores 1.0 for the champion. greedy_records: how
+    many replayed records were greedy; `exact` says whether all were (the replay is then what each head
+    would have served, and the policy's canary only checks live health)."""
     champ = (champion.samples(champion_version) if champion is not None
              else [{**s, "accept_length": 1.0, "head_version": "none"} for s in candidate.samples("none")])
     row = lambda s: [s["request_id"], s["domain"], round(s["accept_length"], 4)]  # noqa: E731
     return {"records": len(candidate.records), "skipped": skipped, "tree": tree.__dict__,
             "candidate": candidate.summary(), "champion": champion.summary() if champion is not None else None,
-            "champion_version": champion_version,
+            "champion_version": champion_version, "greedy_records": greedy_records,
+            "exact": greedy_records is not None and greedy_records == len(candidate.records) > 0,
             "samples": {"candidate": [row(s) for s in candidate.samples("candidate")],
                         "champion": [row(s) for s in champ]}}
 

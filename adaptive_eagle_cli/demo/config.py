@@ -170,6 +170,9 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
         # 20 unpaired live requests a head cannot resolve a gain of a few percent (the paired offline gate
         # showed it): the canary checks that the candidate is not clearly worse live
         "canary_margin": 0.1,
+        # the demo's traffic is greedy, so replay is exact and the canary is a health check: 10 live requests a
+        # head without a collapse or clear harm (prod: 100)
+        "canary_health_requests": 10,
     }
     return parse_stack_config({
         "state_dir": state_dir,

@@ -31,6 +31,8 @@ def test_the_rehearsal_config_is_prod_with_host_settings_replaced_and_counts_sca
     # the sample minimums: prod's 400 times the factor; the policy's other settings stay prod's
     assert cfg.policy.min_samples == 20 == prod["policy"]["min_samples"] * 0.05
     assert cfg.policy.canary_min_requests == 20 and cfg.policy.canary_fraction == prod["policy"]["canary_fraction"]
+    assert cfg.policy.canary_health_requests == 5 == prod["policy"]["canary_health_requests"] * 0.05
+    assert cfg.policy.canary_mode == prod["policy"]["canary_mode"] == "auto"
     assert cfg.trainer.candidate_every_minutes == prod["trainer"]["candidate_every_minutes"] * 0.05
     assert cfg.serving.capture.fraction == 1.0  # 0.05 / 0.05: fewer requests, a larger share captured
     # host settings: a local store over TLS, reference replicas with SGLang's tree, no GPUs, no cluster

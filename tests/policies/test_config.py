@@ -48,6 +48,10 @@ def test_unknown_fields_and_inconsistent_pairs_are_refused():
         PolicyConfig.make(min_samples=100, min_domain_samples=150)
     with pytest.raises(PolicyConfigError, match="collapse_min_requests .* rollback_window"):
         PolicyConfig.make(rollback_window=50, collapse_min_requests=60)
+    with pytest.raises(PolicyConfigError, match="canary_max_requests .* canary_min_requests"):
+        PolicyConfig.make(canary_min_requests=500, canary_max_requests=400)
+    with pytest.raises(PolicyConfigError, match="canary_mode: .*got .fast. .allowed: in {auto, evidence, health}"):
+        PolicyConfig.make(canary_mode="fast")
 
 
 def test_every_field_is_documented_with_its_range():

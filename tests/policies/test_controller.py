@@ -21,8 +21,10 @@ from policies.samples import PLAIN
 from tests.policies.helpers import replay, small_config
 from tests.policies.replicas import FakeClock, RecordingReplica, Traffic
 
+# the state machine's tests run the one-look evidence canary (sequential=False); the health canary and the
+# sequential evidence canary have their own tests at the end
 CFG = small_config(min_samples=200, canary_min_requests=100, rollback_window=100, collapse_min_requests=20,
-                   canary_fraction=0.5, bootstrap_resamples=500)
+                   canary_fraction=0.5, bootstrap_resamples=500, sequential=False)
 
 
 @dataclass
@@ -324,3 +326,36 @@ def test_evidence_replayed_against_an_earlier_champion_is_never_judged(world):
     assert w.ctrl.state == "idle" and w.fleet.canary is None  # nothing started
     fresh = replay(0.0, 0.4, champion="v2", candidate="v3")  # replayed against the champion of now
     assert w.ctrl.consider("v3", *fresh).action == PROMOTE
+
+
+# ---- which canary: health for exact (greedy) replay, evidence otherwise --------------------------------
+def test_exact_replay_gets_a_health_canary_and_the_log_says_which(tmp_path, registry_template):
+    w = make_world(tmp_path, registry_template, speed={"v2": 0.04})
+    w.ctrl.config = CFG.model_copy(update={"sequential": True, "canary_health_requests": 30})
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3), exact_replay=True).action == PROMOTE
+    started = w.plog.read().events[-1]
+    assert started.event == "canary_started" and "health canary" in started.reason
+    assert started.evidence["canary"] == "health" and w.ctrl.status()["canary"]["mode"] == "health"
+    w.traffic.serve(40)  # ~20 a head at canary_fraction 0.5: not enough yet
+    assert w.ctrl.tick().action == CONTINUE
+    d = w.run_canary(40)
+    assert d.action == PROMOTE and "healthy live" in d.reason and w.reg.champion() == "v2"
+
+
+def test_a_health_canary_stops_a_head_that_is_slower_live(tmp_path, registry_template):
+    w = make_world(tmp_path, registry_template, speed={"v1": 0.04, "v2": 0.08})
+    w.ctrl.config = CFG.model_copy(update={"sequential": True, "canary_health_requests": 200})
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3), exact_replay=True).action == PROMOTE
+    d = w.run_canary(120)
+    assert d.action == REJECT and "time per output token is higher" in d.reason and w.reg.champion() == "v1"
+
+
+def test_sampled_replay_gets_the_evidence_canary(tmp_path, registry_template):
+    w = make_world(tmp_path, registry_template)
+    w.ctrl.config = CFG.model_copy(update={"sequential": True})
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3), exact_replay=False).action == PROMOTE
+    started = w.plog.read().events[-1]
+    assert "evidence canary" in started.reason and started.evidence["canary"] == "evidence"
+    forced = CFG.model_copy(update={"canary_mode": "evidence"})
+    from policies.controller import canary_mode
+    assert canary_mode(forced, "v1", True) == "evidence" and canary_mode(CFG, "none", True) == "cold_start"

@@ -14,7 +14,15 @@ from policies.gates import (
     pair_by_request, rollback_check, tail_of,
 )
 from policies.samples import PLAIN, RequestSample
-from tests.policies.helpers import accept_lengths, samples, small_config
+from tests.policies.helpers import accept_lengths, samples
+from tests.policies.helpers import small_config as _small_config
+
+
+def small_config(**kw):
+    """This file tests the bootstrap gates, whose canary looks once (sequential=False); the anytime-valid
+    canaries are tested in test_sequential.py."""
+    return _small_config(**{"sequential": False, **kw})
+
 
 CFG = small_config()
 

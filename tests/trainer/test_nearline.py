@@ -175,6 +175,7 @@ def test_candidate_carries_replay_scores_next_to_the_champion_and_the_trainer_fo
     assert n == sum(tr.status().heldout.values()) and n > 0
     assert len(replay["samples"]["candidate"]) == len(replay["samples"]["champion"]) > 0
     assert [s[0] for s in replay["samples"]["candidate"]] == [s[0] for s in replay["samples"]["champion"]]
+    assert replay["exact"] and replay["greedy_records"] == n  # greedy traffic: the replay is exact
     lat = v.data["latency_s"]  # every fresh record trained so far is new in this candidate
     assert lat["records"] == tr.counters["records_trained"] > 0 and tr.status().candidate_latency == lat
     assert 0 <= lat["capture_to_candidate_min"] <= lat["capture_to_candidate_p50"] <= lat["capture_to_candidate_max"]
