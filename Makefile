@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup demo test test-loaded test-fast bench rehearsal redis-server prometheus clean
+.PHONY: setup demo test test-loaded test-fast bench rehearsal redis-server prometheus sglang-wheel clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__"
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# the SGLang wheel whose source the contract tests read with ast (tests/serving/test_sglang_contract.py):
+# downloaded once, without dependencies, never installed (SGLang needs a GPU); make test requires it
+SGLANG_VERSION := 0.5.23
+SGLANG_WHEEL_DIR := .cache/wheels
+sglang-wheel: setup
+	@ls $(SGLANG_WHEEL_DIR)/sglang-$(SGLANG_VERSION)-*.whl >/dev/null 2>&1 || \
+	  $(PIP) download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.11 --abi cp311 \
+	    --platform manylinux_2_34_x86_64 -d $(SGLANG_WHEEL_DIR) sglang==$(SGLANG_VERSION)
 
 redis-server:
 	@command -v redis-server >/dev/null || { \
@@ -42,17 +51,17 @@ demo: setup
 	$(VENV)/bin/adaptive-eagle demo $(DEMO_ARGS)
 
 # starts a throwaway redis-server for the tests and stops it afterwards; promtool checks ops/alerts.yml
-test: setup redis-server prometheus
-	ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
+test: setup redis-server prometheus sglang-wheel
+	SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # the suite as a shared CI machine meets it: a busy process on every core and an empty cache (fresh
 # compute-mode table, calibrations and target, all made under load); no test's verdict may change.
 # CPU_ISA=avx2 also runs PyTorch's and oneDNN's AVX2 kernels on an AVX-512 machine (an AVX2-only CPU's
 # kernels; /proc/cpuinfo still lists the machine's own flags)
 CPU_ISA ?=
-test-loaded: setup redis-server prometheus
+test-loaded: setup redis-server prometheus sglang-wheel
 	$(if $(CPU_ISA),ATEN_CPU_CAPABILITY=$(CPU_ISA) ONEDNN_MAX_CPU_ISA=$(shell echo $(CPU_ISA) | tr a-z A-Z)) \
-	  ops/scripts/with-cpu-hog.sh ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
+	  SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-cpu-hog.sh ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

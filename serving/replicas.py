@@ -97,7 +97,7 @@ class ReplicaBuilder:
         sg = self.config.sglang
         sg = sg.model_copy(update={"port": sg.port + self.index})
         if registry is not None and version != PLAIN:
-            sg = sg.model_copy(update={"draft_model_path": str(registry.get(version))})
+            sg = sg.model_copy(update={"draft_model_path": str(registry.get(version)), "weight_version": version})
         process = launch_sglang(sg) if sg.launch else None
         tokenizer = AutoTokenizer.from_pretrained(sg.model_path, local_files_only=True)
         return SGLangBackend(sg, tokenizer, registry, version, cached_fingerprint(Path(sg.model_path)),

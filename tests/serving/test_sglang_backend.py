@@ -1,108 +1,322 @@
-"""The SGLang backend without SGLang: launch arguments, meta_info parsing (new and old field names),
-streaming /generate and the draft-only weight update over a mocked HTTP server. The one test that
-runs SGLang's own argument parser is skipped, with its reason, where sglang is not installed."""
+"""The SGLang backend without SGLang: launch arguments, reading meta_info and streams (pure functions), then
+the backend's whole path through the protocol-faithful stand-in (tests/serving/sglang_standin.py): generate,
+stream in both streaming modes, capture, draft swaps in place and by restart, rollback, verification that
+undoes a swap, aborts, a server that dies mid-stream, restarts that fail. The one test that runs SGLang's own
+argument parser is skipped, with its reason, where sglang is not installed."""
 
-import json
+import threading
 
-import httpx
 import pytest
+import torch
 from pydantic import ValidationError
 
-from serving.messages import DecodeRequest
+from serving.backend import RequestError
+from serving.capture import CapturePolicy
+from serving.messages import DecodeRequest, Finished, Refused
 from serving.server import DecodeServer
-from serving.sglang_backend import SGLangBackend, SGLangConfig, trace_from_response, verify_steps_from_meta
+from serving.sglang_backend import SGLangBackend, SGLangConfig, launch_sglang, trace_from_response
+from serving.sglang_protocol import (SGLangAborted, SGLangProtocolError, StreamAssembler, finish_reason_of,
+                                     served_version, verify_steps_from_meta)
+from tests.serving.sglang_standin import StandInHost, WordTokenizer, make_registry
 
 CFG = SGLangConfig(model_path="/models/target", draft_model_path="/heads/v1", num_steps=4, eagle_topk=3,
                    num_draft_tokens=12, port=31000)
 
 
-def test_launch_args_ask_for_eagle3_with_the_tree_and_metrics():
+# ---- launch arguments ---------------------------------------------------------------------------------
+def test_launch_args_ask_for_eagle3_with_the_tree_metrics_label_and_incremental_streams():
     args = CFG.launch_args("python")
     assert args[:3] == ["python", "-m", "sglang.launch_server"]
     pairs = dict(zip(args[3::1], args[4::1]))
     assert pairs["--speculative-algorithm"] == "EAGLE3" and pairs["--speculative-draft-model-path"] == "/heads/v1"
     assert (pairs["--speculative-num-steps"], pairs["--speculative-eagle-topk"],
             pairs["--speculative-num-draft-tokens"]) == ("4", "3", "12")
-    assert "--enable-metrics" in args and pairs["--port"] == "31000"
+    assert pairs["--weight-version"] == "v1"  # the head directory's name when no label is given
+    assert "--enable-metrics" in args and "--incremental-streaming-output" in args and pairs["--port"] == "31000"
+    assert "--tp-size" not in args
+    labelled = CFG.model_copy(update={"weight_version": "champion-7", "tp_size": 2}).launch_args("python")
+    assert labelled[labelled.index("--weight-version") + 1] == "champion-7"
+    assert labelled[labelled.index("--tp-size") + 1] == "2"
 
 
-def test_the_all_selector_is_refused():
-    with pytest.raises(ValidationError):
-        SGLangConfig(model_path="a", draft_model_path="b", weight_selector="all")
+@pytest.mark.parametrize("extra", [("--weight-version", "x"), ("--port=1",), ("--speculative-num-steps", "2")])
+def test_extra_args_may_not_repeat_a_flag_the_config_sets(extra):
+    with pytest.raises(ValidationError, match="extra_args"):
+        SGLangConfig(model_path="a", draft_model_path="b", extra_args=extra)
 
 
-def test_meta_info_new_names_with_a_histogram():
-    meta = {"completion_tokens": 10, "spec_verify_ct": 4, "spec_accept_length": 2.5,
-            "spec_accept_histogram": [1, 1, 1, 1], "spec_proposed_drafts": 48}
-    steps = verify_steps_from_meta(meta, 16)
-    assert [s.accept_length for s in steps] == [0, 1, 2, 3] and all(s.tree_size == 12 for s in steps)
-    assert sum(s.accept_length + 1 for s in steps) == 10
+# ---- meta_info and streams -------------------------------------------------------------------------------
+def test_meta_info_canonical_names_with_the_correct_drafts_histogram():
+    meta = {"completion_tokens": 11, "spec_verify_ct": 4, "spec_accept_length": 2.75,
+            "spec_correct_drafts_histogram": [1, 1, 1, 1], "spec_num_proposed_drafts": 44,
+            "spec_num_correct_drafts": 6}
+    steps = verify_steps_from_meta(meta, 15)
+    assert [s.accept_length for s in steps] == [0, 1, 2, 3] and all(s.tree_size == 11 for s in steps)
 
 
 @pytest.mark.parametrize("meta", [
+    {"completion_tokens": 10, "spec_verify_ct": 4, "spec_num_correct_drafts": 6, "spec_num_proposed_drafts": 40},
+    {"completion_tokens": 10, "spec_verify_ct": 4, "spec_accepted_drafts": 6, "spec_proposed_drafts": 40},
     {"completion_tokens": 10, "spec_verify_ct": 4, "spec_accept_token_num": 6, "spec_draft_token_num": 40},
     {"completion_tokens": 10, "spec_verify_ct": 4, "spec_accept_length": 2.5},
     {"completion_tokens": 10, "spec_verify_ct": 4},
+    # a histogram that disagrees with spec_verify_ct is not used; the counts are
+    {"completion_tokens": 10, "spec_verify_ct": 4, "spec_num_correct_drafts": 6, "spec_correct_drafts_histogram": [9]},
 ])
-def test_meta_info_without_a_histogram_keeps_the_mean(meta):
-    steps = verify_steps_from_meta(meta, 16)
+def test_meta_info_without_a_usable_histogram_keeps_the_mean(meta):
+    steps = verify_steps_from_meta(meta, 15)
     assert len(steps) == 4 and sum(s.accept_length for s in steps) == 6
     req = DecodeRequest(request_id="r", prompt=(1, 2), domain="code")
-    trace = trace_from_response(req, [1, 2], list(range(10, 20)), meta, "v1", "fp", 16)
+    trace = trace_from_response(req, [1, 2], list(range(10, 20)), meta, "v1", "fp", 15)
     assert trace.accept_length_mean == 2.5 and trace.backend == "sglang" and trace.aux_hidden is None
     assert trace.loss_mask == (0, 0) + (1,) * 10 and trace.domain == "code" and trace.head_version == "v1"
 
 
 def test_plain_responses_count_one_token_per_step():
-    assert [s.accept_length for s in verify_steps_from_meta({"completion_tokens": 3}, 16)] == [0, 0, 0]
+    assert [s.accept_length for s in verify_steps_from_meta({"completion_tokens": 3}, 15)] == [0, 0, 0]
 
 
-class WordTokenizer:
-    def __call__(self, text):
-        return {"input_ids": [int(w[1:]) for w in text.split()]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"w{i}" for i in ids)
-
-
-class FakeRegistry:
-    def get(self, version):
-        if version != "v2":
-            raise KeyError(f"no such version {version}")
-        return f"/registry/{version}"
+def test_the_served_version_is_the_servers_label_unless_it_has_none():
+    assert served_version({"weight_version": "v7"}, "v1") == ("v7", False)
+    assert served_version({"weight_version": "default"}, "v1") == ("v1", False)
+    spans = [{"version": "v1", "start": 0, "end": 3}, {"version": "v2", "start": 3, "end": 9}]
+    assert served_version({"weight_version": "v2", "weight_versions": spans}, "v1") == ("v2", True)
 
 
-def fake_sglang(calls):
-    def handle(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        calls.append((request.url.path, body))
-        if request.url.path == "/generate":
-            chunks = [{"output_ids": [7], "meta_info": {}}, {"output_ids": [7, 8, 9], "meta_info": {}},
-                      {"output_ids": [7, 8, 9, 10], "meta_info": {
-                          "completion_tokens": 4, "spec_verify_ct": 2, "spec_accept_histogram": [1, 0, 1],
-                          "finish_reason": {"type": "length", "length": 4}}}]
-            text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-            return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
-        return httpx.Response(200, json={"success": True, "message": "ok"})
-    return httpx.MockTransport(handle)
+def test_an_incremental_chunk_that_repeats_the_output_so_far_is_not_mistaken_for_a_cumulative_one():
+    asm = StreamAssembler()
+    assert asm.push([7], {"completion_tokens": 1}) == [7]
+    assert asm.push([7, 8], {"completion_tokens": 3}) == [7, 8]  # the old guess dropped the second 7 here
+    assert asm.mode == "incremental" and asm.tokens == [7, 7, 8]
+    assert asm.push([], {"completion_tokens": 3}) == []
 
 
-def test_streaming_generate_and_draft_only_swap_over_http():
-    calls = []
-    client = httpx.Client(transport=fake_sglang(calls), base_url="http://sglang")
-    backend = SGLangBackend(CFG, WordTokenizer(), FakeRegistry(), head_version="v1", fingerprint="fp", client=client)
-    server = DecodeServer(backend)
-    done = server.generate(DecodeRequest(request_id="r1", prompt="w1 w2 w3", max_tokens=4))
-    assert done.text == "w7 w8 w9 w10" and done.finish_reason == "length"
-    assert done.spec.accept_length == 2.0 and done.spec.verify_steps == 2 and done.spec.backend == "sglang"
-    path, body = calls[0]
-    assert path == "/generate" and body["input_ids"] == [1, 2, 3] and body["sampling_params"]["max_new_tokens"] == 4
+def test_cumulative_chunks_are_read_as_cumulative_and_a_chunk_that_fits_no_mode_raises():
+    asm = StreamAssembler()
+    assert asm.push([5, 6], {"completion_tokens": 2}) == [5, 6]
+    assert asm.push([5, 6, 9], {"completion_tokens": 3}) == [9] and asm.mode == "cumulative"
+    with pytest.raises(SGLangProtocolError, match="fits no cumulative mode"):
+        asm.push([5, 6, 9, 1], {"completion_tokens": 6})
+    with pytest.raises(SGLangProtocolError, match="completion_tokens"):
+        StreamAssembler().push([1], {})
+
+
+def test_finish_reasons_and_aborts():
+    assert finish_reason_of({"finish_reason": None}) is None
+    assert finish_reason_of({"finish_reason": {"type": "length", "length": 4}}) == "length"
+    assert finish_reason_of({"finish_reason": {"type": "stop", "matched": 2}}) == "stop"
+    with pytest.raises(SGLangAborted, match="out of memory"):
+        finish_reason_of({"finish_reason": {"type": "abort", "message": "out of memory", "status_code": None}})
+    with pytest.raises(RequestError) as e:
+        finish_reason_of({"finish_reason": {"type": "abort", "message": "too long", "status_code": 400}})
+    assert e.value.status == 400
+    with pytest.raises(SGLangProtocolError):
+        finish_reason_of({"finish_reason": {"type": "eos"}})
+
+
+# ---- the whole path through the stand-in ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    return make_registry(tmp_path_factory.mktemp("sglang") / "registry")
+
+
+class Writer:
+    def __init__(self):
+        self.records = []
+
+    def put(self, trace):
+        self.records.append(trace)
+        return True
+
+    def stats(self):
+        return {"records": len(self.records)}
+
+
+def replica(registry, capture=None, writer=None, launch=True, **cfg):
+    """(stand-in host, backend, replica server) on v1, as serving.replicas builds an SGLang replica."""
+    host = StandInHost()
+    config = SGLangConfig(model_path="/models/tiny", draft_model_path=str(registry.get("v1")), weight_version="v1",
+                          launch=launch, health_poll_s=0.001, startup_timeout_s=5.0, **cfg)
+    client = host.client()
+    process = launch_sglang(config, client=client, spawn=host.spawn)
+    backend = SGLangBackend(config, WordTokenizer(), registry, "v1", "fp", client=client,
+                            process=process if launch else None, spawn=host.spawn)
+    return host, backend, DecodeServer(backend, capture, writer)
+
+
+def greedy(host, prompt, n):
+    ids, out = list(prompt), []
+    for _ in range(n):
+        out.append(host.server.next_token(ids + out))
+    return out
+
+
+REQ = DecodeRequest(request_id="r1", prompt="w5 w6 w7", max_tokens=12)
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_generate_streams_the_targets_tokens_with_the_servers_acceptance_and_label(registry, incremental):
+    host, backend, server = replica(registry, incremental_streaming=incremental)
+    done = server.generate(REQ)
+    assert isinstance(done, Finished) and done.finish_reason == "length"
+    assert done.text == " ".join(f"w{t}" for t in greedy(host, [5, 6, 7], 12))
+    k = host.server.accepted_per_step()
+    assert done.spec.head_version == "v1" and done.spec.backend == "sglang"
+    assert done.spec.accepted_drafts == 11 - done.spec.verify_steps and done.spec.accept_length == pytest.approx(
+        (11 / done.spec.verify_steps), abs=1e-3) and done.spec.verify_steps == -(-11 // (k + 1))
+    body = host.log[1][2]
+    assert body["sampling_params"]["max_new_tokens"] == 12 and body["input_ids"] == [5, 6, 7] and body["stream"]
+
+
+def test_captured_records_carry_tokens_the_label_and_per_step_acceptance(registry):
+    writer = Writer()
+    policy = CapturePolicy(fraction=1.0, low_accept_below=1.0, keep_uncaptured_tokens=True, seed=0)
+    host, backend, server = replica(registry, capture=policy, writer=writer)
+    server.generate(DecodeRequest(request_id="r2", prompt="w9 w10", max_tokens=9, domain="code"))
+    (trace,) = writer.records
+    assert trace.backend == "sglang" and trace.head_version == "v1" and trace.domain == "code"
+    assert trace.aux_hidden is None and list(trace.input_ids[:2]) == [9, 10] and sum(trace.loss_mask) == 9
+    assert sum(s.accept_length + 1 for s in trace.steps) == 8  # the first token came from the prefill
+
+
+def test_a_swap_loads_the_draft_in_place_checks_the_checksums_and_relabels(registry):
+    host, backend, server = replica(registry)
+    before_target = host.server.checksum("target")["per_engine_checksum"]
+    before_draft = host.server.checksum("draft")["per_engine_checksum"]
+    before = server.generate(REQ)
     res = server.swap_head("v2")
-    assert res.ok and backend.head_version == "v2"
-    path, body = calls[-1]
-    assert path == "/update_weights_from_disk" and body["model_path"] == "/registry/v2"
-    assert "all" not in body.values() and body[CFG.weight_selector_field] == "draft"
-    assert not server.swap_head("v9").ok and not server.swap_head("none").ok and backend.head_version == "v2"
+    assert res.ok and "in place" in res.message and backend.head_version == "v2"
+    assert host.server.checksum("target")["per_engine_checksum"] == before_target
+    assert host.server.checksum("draft")["per_engine_checksum"] != before_draft
+    paths = [p for _, p, _ in host.log]
+    assert paths[paths.index("/begin_weight_update"):paths.index("/end_weight_update") + 1] == [
+        "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
+    update = next(b for _, p, b in host.log if p == "/update_weights_from_tensor")
+    assert update["selector"] == "draft" and update["weight_version"] == "v2" and len(host.launches) == 1
+    after = server.generate(REQ)
+    assert after.spec.head_version == "v2" and after.text == before.text  # lossless: same tokens, other head
+    assert backend.info()["counts"]["session_swaps"] == 1 and backend.info()["last_swap"]["pause_ms"] >= 0
+    # rollback: v1 again, in place, and its draft checksum is the one it had at launch
+    assert server.swap_head("v1").ok and host.server.checksum("draft")["per_engine_checksum"] == before_draft
+    assert server.generate(REQ).spec.head_version == "v1" and len(host.launches) == 1
+
+
+def test_a_head_with_another_draft_vocabulary_is_served_by_a_restart(registry):
+    host, backend, server = replica(registry)
+    res = server.swap_head("v3")
+    assert res.ok and "restarted" in res.message and "d2t" in res.message
+    args = host.launches[-1]
+    assert args[args.index("--speculative-draft-model-path") + 1] == str(registry.get("v3"))
+    assert args[args.index("--weight-version") + 1] == "v3" and len(host.launches) == 2
+    assert torch.equal(host.server.serving_d2t, host.server.model_d2t)  # the new server maps with v3's vocabulary
+    assert server.generate(REQ).spec.head_version == "v3" and backend.info()["counts"]["restart_swaps"] == 1
+    assert not any(p == "/begin_weight_update" for _, p, _ in host.log)
+
+
+def test_loading_another_vocabulary_in_place_would_collapse_acceptance(registry):
+    """Why such heads restart: the stand-in keeps the launch vocabulary map, as SGLang 0.5.23's worker does."""
+    from serving.sglang_swap import DraftWeights, WeightSession
+
+    host, backend, _ = replica(registry)
+    error, _ = WeightSession(backend.client).load(DraftWeights.read(registry.get("v3")), "v3")
+    assert error is None and host.server.accepted_per_step() == 0
+
+
+def test_swaps_by_configuration_restart_and_none_or_unknown_versions_are_refused(registry):
+    host, backend, server = replica(registry, swap="restart")
+    assert server.swap_head("v2").ok and len(host.launches) == 2
+    for version in ("none", "v9"):
+        res = server.swap_head(version)
+        assert not res.ok and res.version == "v2" and backend.head_version == "v2"
+    assert server.swap_head("v2").message.startswith("v2 already serving")
+
+
+def test_an_update_the_draft_ignores_is_undone_in_place_and_refused_without_a_launched_server(registry):
+    host, backend, server = replica(registry, launch=False)
+    host.server.ignore_draft_updates = True  # success, nothing loaded: names the draft's loader skips
+    res = server.swap_head("v2")
+    assert not res.ok and "did not change" in res.message and "sglang.launch: true" in res.message
+    assert backend.head_version == "v1" and backend.info()["down"] is None
+    assert server.generate(REQ).spec.head_version == "v1"  # the label went back with the undo
+
+
+def test_an_update_that_changes_the_target_is_undone_by_a_restart(registry):
+    host, backend, server = replica(registry)
+    host.server.touch_target = True
+    res = server.swap_head("v2")
+    assert res.ok and "restarted" in res.message and "target's checksum changed" in res.message
+    assert len(host.launches) == 2 and server.generate(REQ).spec.head_version == "v2"
+
+
+def test_an_update_that_changes_the_target_of_a_server_not_launched_here_takes_it_out_of_service(registry):
+    host, backend, server = replica(registry, launch=False)
+    host.server.touch_target = True
+    assert not server.swap_head("v2").ok and "restart the server" in backend.info()["down"]
+    refused = server.generate(REQ)
+    assert isinstance(refused, Refused) and refused.status == 500 and "down" in refused.message
+
+
+def test_a_session_left_open_is_closed_before_the_swap(registry):
+    host, backend, server = replica(registry)
+    host.server.session = "draft"
+    assert server.swap_head("v2").ok and host.server.session is None and len(host.launches) == 1
+
+
+def test_a_swap_waits_for_the_request_in_flight_and_holds_new_ones(registry):
+    host, backend, server = replica(registry)
+    events = server.stream(DecodeRequest(request_id="r3", prompt="w5", max_tokens=30))
+    next(events), next(events)  # Started, then the first tokens: the request is in flight
+    result = {}
+    swapper = threading.Thread(target=lambda: result.update(res=backend.swap_head("v2")))
+    swapper.start()
+    swapper.join(0.3)
+    assert swapper.is_alive()  # held until the request finishes
+    last = list(events)[-1]
+    swapper.join(10)
+    assert isinstance(last, Finished) and last.spec.head_version == "v1" and result["res"].ok
+    assert backend.info()["last_swap"]["drain_ms"] > 0
+
+
+def test_an_abort_is_an_error_for_the_client_and_counted(registry):
+    host, backend, server = replica(registry)
+    host.server.abort = ("the scheduler ran out of memory", None)
+    refused = server.generate(REQ)
+    assert isinstance(refused, Refused) and refused.status == 500 and "out of memory" in refused.message
+    assert server.status().failed == 1 and backend.info()["counts"]["aborted"] == 1
+    host.server.abort = ("input is longer than the context", 400)
+    refused = server.generate(REQ)
+    assert isinstance(refused, Refused) and refused.status == 400 and server.status().refused == 1
+    host.server.abort, host.server.error_chunk = None, ("bad sampling", 400)
+    assert isinstance(server.generate(REQ), Refused) and backend.info()["counts"]["refused_by_sglang"] == 2
+
+
+def test_a_server_that_dies_mid_stream_fails_the_request_and_a_swap_brings_it_back(registry):
+    host, backend, server = replica(registry)
+    host.server.die_after = 1
+    refused = server.generate(REQ)
+    assert isinstance(refused, Refused) and refused.status == 500 and "stopped answering" in refused.message
+    again = server.generate(REQ)
+    assert isinstance(again, Refused) and backend.info()["counts"]["broken_streams"] == 2
+    res = server.swap_head("v2")  # the session gets no answer: a restart on v2
+    assert res.ok and "restarted" in res.message and server.generate(REQ).spec.head_version == "v2"
+
+
+def test_a_restart_that_fails_goes_back_to_the_previous_head(registry):
+    host, backend, server = replica(registry)
+    host.failing_launches = 1
+    res = server.swap_head("v3")
+    assert not res.ok and "restart failed" in res.message and backend.head_version == "v1"
+    args = host.launches[-1]
+    assert args[args.index("--weight-version") + 1] == "v1" and len(host.launches) == 3
+    assert server.generate(REQ).spec.head_version == "v1"
+
+
+def test_when_both_restarts_fail_the_replica_refuses_requests_until_a_swap_succeeds(registry):
+    host, backend, server = replica(registry)
+    host.failing_launches = 2
+    assert not server.swap_head("v3").ok and backend.info()["down"]
+    assert isinstance(server.generate(REQ), Refused)
+    assert server.swap_head("v3").ok and server.generate(REQ).spec.head_version == "v3"
 
 
 def test_sglang_own_argument_parser_accepts_our_launch_args():
@@ -112,4 +326,4 @@ def test_sglang_own_argument_parser_accepts_our_launch_args():
     args = prepare_server_args(CFG.launch_args()[3:])
     assert args.speculative_algorithm == "EAGLE3" and args.speculative_draft_model_path == "/heads/v1"
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (4, 3, 12)
-    assert args.enable_metrics
+    assert args.enable_metrics and args.weight_version == "v1" and args.incremental_streaming_output

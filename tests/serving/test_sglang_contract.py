@@ -1,0 +1,212 @@
+"""The SGLang backend against the SGLang 0.5.23 source, read with `ast` from the wheel (never imported):
+every path it calls exists with its method, every request field and sampling parameter it sends is one the
+request struct defines, every launch flag is a server argument, every meta_info / finish-reason / checksum
+field it reads is one upstream writes, and its weight-update payload unpickles under upstream's allow-list.
+Then the facts the design rests on (the disk update has no selector, the tensor update is a session, the
+running worker keeps its launch vocabulary map, streams are cumulative unless asked) and the stand-in's own
+field sets. Under `make test` the wheel is required (SGLANG_WHEEL is set): a missing wheel fails these tests.
+"""
+
+import base64
+import io
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from serving.messages import DecodeRequest
+from serving.sglang_backend import SGLangBackend, SGLangConfig, launch_sglang
+from serving.sglang_protocol import (CHECKSUM_FIELDS, DRAFT, ENDPOINTS, FINISH_FIELDS, LEGACY_SPEC_FIELDS, META_FIELDS,
+                                     TARGET, UPDATE_FIELDS, begin_update_body, checksum_body, end_update_body,
+                                     generate_body, named_tensor_payload, tensor_update_bodies, warmup_body)
+from tests.serving import sglang_standin as standin
+from tests.serving.sglang_upstream import Upstream, _keys, wheel_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Upstream:
+    return Upstream(wheel_path())
+
+
+def bodies() -> dict[str, list[dict]]:
+    """Every body the protocol module builds, by endpoint name, with every optional field present."""
+    req = DecodeRequest(request_id="r", prompt=(1, 2), temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=("x",))
+    tensors = {"fc.weight": torch.zeros(2, 2), "d2t": torch.zeros(2, dtype=torch.int64)}
+    return {"generate": [generate_body(req, [1, 2]), warmup_body([1], "w")], "begin_update": [begin_update_body()],
+            "tensor_update": tensor_update_bodies(tensors, "v2", tp_size=2, max_bytes=8),
+            "end_update": [end_update_body()], "checksum": [checksum_body(DRAFT), checksum_body(TARGET)]}
+
+
+def check_request(upstream: Upstream, method: str, path: str, body: dict) -> list[str]:
+    """What in one request 0.5.23 does not define (empty: all of it exists)."""
+    if method not in upstream.routes.get(path, ()):
+        return [f"{method} {path}: no such route (methods there: {sorted(upstream.routes.get(path, ()))})"]
+    ep = next(e for e in ENDPOINTS.values() if e.path == path)
+    if ep.request_struct is None:
+        return [f"{path} takes no body, got {sorted(body)}"] if body else []
+    fields = upstream.struct_fields(ep.request_struct)
+    problems = [f"{path}: {ep.request_struct} has no field {k!r}" for k in body if k not in fields]
+    if "selector" in body and body["selector"] not in upstream.literal_choices(ep.request_struct, "selector"):
+        problems.append(f"{path}: selector {body['selector']!r} is not one of its Literal values")
+    for k in (body.get("sampling_params") or {}):
+        if k not in upstream.api_sampling_fields:
+            problems.append(f"{path}: sampling_params has no field {k!r} (the JSON contract rejects it)")
+    return problems
+
+
+# ---- what the backend sends -----------------------------------------------------------------------------
+def test_every_endpoint_exists_with_its_method_and_request_struct(upstream):
+    for name, ep in ENDPOINTS.items():
+        assert ep.method in upstream.routes.get(ep.path, ()), f"{name}: {ep.method} {ep.path}"
+        if ep.request_struct is not None:
+            assert upstream.struct_fields(ep.request_struct), ep.request_struct
+
+
+def test_every_request_body_field_exists_upstream(upstream):
+    for name, built in bodies().items():
+        ep = ENDPOINTS[name]
+        for body in built:
+            assert check_request(upstream, ep.method, ep.path, body) == []
+
+
+def test_the_contract_check_catches_a_field_or_path_upstream_does_not_define(upstream):
+    assert check_request(upstream, "POST", "/update_weights_from_tensor", {"serialized_named_tensors": [],
+                                                                          "target": "draft"})
+    assert check_request(upstream, "POST", "/generate", {"input_ids": [1], "sampling_params": {"seed": 1}})
+    assert check_request(upstream, "POST", "/update_weights_from_disk_draft", {})
+    assert check_request(upstream, "POST", "/begin_weight_update", {"selector": "drafts"})
+
+
+def test_every_launch_flag_is_a_server_argument_with_the_right_arity(upstream):
+    cfg = SGLangConfig(model_path="/m", draft_model_path="/h", tp_size=2)
+    args = cfg.launch_args("python")[3:]
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        arg = upstream.server_args.get(flag)
+        assert arg is not None, f"{flag} is not a 0.5.23 server argument"
+        takes_value = not arg.is_bool
+        assert takes_value == (i + 1 < len(args) and not args[i + 1].startswith("--")), flag
+        i += 2 if takes_value else 1
+
+
+def test_what_the_backend_reads_is_what_upstream_writes(upstream):
+    written = upstream.meta_info_keys
+    assert set(META_FIELDS) <= written, set(META_FIELDS) - written
+    assert {"output_ids", "meta_info", "text"} <= written  # a streamed chunk
+    legacy = {name for names in LEGACY_SPEC_FIELDS.values() for name in names}
+    assert not legacy & written, "0.5.23 writes only the canonical spec_* names; the legacy ones serve older servers"
+    assert set(upstream.finish_reasons) == {"stop", "length", "abort"}
+    assert set(FINISH_FIELDS) <= upstream.finish_reasons["abort"]
+    error_chunk = _keys(upstream.function("srt/entrypoints/http_server.py", "serve_generate_request"))
+    assert {"error", "message", "code"} <= error_chunk
+    assert set(CHECKSUM_FIELDS) <= _keys(upstream.handler("/weights_checker"))
+    for path in ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"):
+        assert set(UPDATE_FIELDS) <= _keys(upstream.handler(path)), path
+
+
+def test_the_weight_update_payload_unpickles_under_upstreams_allow_list(upstream):
+    seen = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.append((module, name))
+            return super().find_class(module, name)
+
+    tensors = {"midlayer.self_attn.q_proj.weight": torch.randn(3, 4).to(torch.bfloat16),
+               "d2t": torch.arange(5), "t2d": torch.ones(7, dtype=torch.bool)}
+    data = base64.b64decode(named_tensor_payload(tensors))
+    assert data[:2] == b"\x80\x04"  # upstream takes bytes that start like this as a pickle, not base64
+    loaded = Recording(io.BytesIO(data)).load()
+    assert [n for n, _ in loaded] == list(tensors) and all(torch.equal(t, tensors[n]) for n, t in loaded)
+    assert set(seen) <= upstream.unpickle_allowed | upstream.unpickle_redirected, set(seen)
+    assert standin.REDIRECTED in upstream.unpickle_redirected
+    assert standin.ALLOWED_GLOBALS <= upstream.unpickle_allowed
+
+
+def test_no_draft_swap_goes_through_the_disk_update():
+    """/update_weights_from_disk has no selector (next test) and loads into the target first."""
+    hits = [p for p in (*REPO.glob("serving/*.py"), *REPO.glob("ops/*.py"), *REPO.glob("ops/*.sh"))
+            if "update_weights_from_disk" in p.read_text()]
+    assert hits == []
+
+
+# ---- the facts the design rests on -------------------------------------------------------------------------
+def test_the_disk_update_has_no_selector_and_the_session_endpoints_do(upstream):
+    assert "selector" not in upstream.struct_fields("UpdateWeightFromDiskReqInput")
+    for struct in ("BeginWeightUpdateReqInput", "UpdateWeightsFromTensorReqInput", "CheckWeightsReqInput"):
+        assert upstream.literal_choices(struct, "selector") == {"target", "draft", "all"}, struct
+    disk = upstream.function("srt/managers/scheduler_components/weight_updater.py", "update_weights_from_disk")
+    assert "self._select_runners()" in __import__("ast").unparse(disk)  # every runner, the target first
+
+
+def test_a_tensor_update_outside_a_session_is_refused_upstream(upstream):
+    import ast
+
+    fn = ast.unparse(upstream.function("srt/managers/scheduler_components/weight_updater.py",
+                                       "update_weights_from_tensor"))
+    assert "self._session is None" in fn and "must run between" in fn
+
+
+def test_the_running_worker_keeps_the_vocabulary_map_it_started_with(upstream):
+    import ast
+
+    load = ast.unparse(upstream.function("srt/models/llama_eagle3.py", "load_weights"))
+    assert "self.hot_token_id = loaded_weight" in load  # a d2t update lands on the model ...
+    init = ast.unparse(upstream.function("srt/speculative/eagle_worker_v2.py", "init_lm_head"))
+    assert "self.hot_token_id = self.draft_runner.model.hot_token_id.to(" in init  # ... the worker copied it at start
+
+
+def test_streams_are_cumulative_unless_the_server_is_told_otherwise(upstream):
+    assert upstream.field_default("incremental_streaming_output") is False
+    assert upstream.field_default("weight_version") == "default"
+    assert "--incremental-streaming-output" in SGLangConfig(model_path="m", draft_model_path="h").launch_args()
+
+
+def test_the_stand_in_implements_only_what_upstream_defines(upstream):
+    for path, fields in standin.FIELDS.items():
+        ep = next(e for e in ENDPOINTS.values() if e.path == path)
+        assert fields <= set(upstream.struct_fields(ep.request_struct)), path
+    assert standin.SAMPLING_FIELDS <= set(upstream.api_sampling_fields)
+
+
+def test_everything_the_backend_sends_on_its_whole_path_exists_upstream(upstream, tmp_path):
+    """Generate, a swap in place, a swap by restart, a rollback: every request the stand-in saw."""
+    registry = standin.make_registry(tmp_path / "registry")
+    host = standin.StandInHost()
+    cfg = SGLangConfig(model_path="/m", draft_model_path=str(registry.get("v1")), weight_version="v1", launch=True,
+                       health_poll_s=0.001, startup_timeout_s=5.0)
+    client = host.client()
+    backend = SGLangBackend(cfg, standin.WordTokenizer(), registry, "v1", client=client,
+                            process=launch_sglang(cfg, client=client, spawn=host.spawn), spawn=host.spawn)
+    req = DecodeRequest(request_id="r", prompt="w5 w6", max_tokens=6, temperature=0.5, top_k=3, seed=1, stop=("w9",))
+    for version in ("v2", "v3", "v1"):
+        list(backend.stream(req, backend.prepare(req), capture=True))
+        assert backend.swap_head(version).ok
+    assert {p for _, p, _ in host.log} >= {"/generate", "/begin_weight_update", "/update_weights_from_tensor",
+                                           "/end_weight_update", "/weights_checker", "/health"}
+    problems = [p for method, path, body in host.log for p in check_request(upstream, method, path, body)]
+    assert problems == []
+    for args in host.launches:
+        assert all(a in upstream.server_args for a in args[3:] if a.startswith("--")), args
+
+
+def test_the_stand_in_refuses_what_upstream_refuses(tmp_path):
+    registry = standin.make_registry(tmp_path / "registry")
+    host = standin.StandInHost()
+    host.spawn(SGLangConfig(model_path="/m", draft_model_path=str(registry.get("v1"))).launch_args())
+    client = host.client()
+    tensors = tensor_update_bodies({"lm_head.weight": torch.zeros(40, 32)}, "v2", 1, 1 << 20)[0]
+    r = client.post("/update_weights_from_tensor", json=tensors)
+    assert r.status_code == 400 and "must run between" in r.json()["message"]
+    assert client.post("/end_weight_update", json={}).json()["success"] is False
+    assert client.post("/begin_weight_update", json={"selector": "draft", "target": "x"}).status_code == 422
+    assert client.post("/begin_weight_update", json={"selector": "target"}).json()["success"]
+    r = client.post("/update_weights_from_tensor", json=dict(tensors, selector="target"))  # a draft head, to the target
+    assert r.status_code == 400 and "target parameter lm_head.weight" in r.json()["message"]
+    assert client.post("/end_weight_update", json={}).json()["success"]
+    r = client.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "seed": 1}})
+    assert r.status_code == 400 and "seed" in r.json()["error"]
