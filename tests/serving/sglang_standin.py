@@ -335,7 +335,8 @@ class SGLangStandIn:
         for name in sorted(sums):
             h.update(name.encode() + sums[name].encode())
         per_gpu = h.hexdigest()
-        return {"success": True, "message": "Success.", "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest(),
+        return {"success": True, "message": "Success.",
+                "per_engine_checksum": hashlib.sha256(per_gpu.encode()).hexdigest(),
                 "ranks": [{"checksums": sums, "per_gpu_checksum": per_gpu, "parallelism_info": []}]}
 
 

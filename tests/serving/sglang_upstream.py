@@ -51,8 +51,9 @@ def _keys(node) -> set[str]:
             keys |= {k.value for k in n.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
         elif isinstance(n, ast.Assign):
             for t in n.targets:
-                if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str):
-                    keys.add(t.slice.value)
+                key = t.slice if isinstance(t, ast.Subscript) else None
+                if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                    keys.add(key.value)
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "update":
             keys |= {k.arg for k in n.keywords if k.arg}
     return keys
