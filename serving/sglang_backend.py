@@ -371,15 +371,19 @@ class SGLangBackend:
     def _swap_in_place(self, version: str, new: DraftWeights, served: DraftWeights) -> tuple[bool, str]:
         """One weight-update session, then the checksums. (True, how) or (False, why: restart instead)."""
         session = WeightSession(self.client, self.cfg.tp_size, self.cfg.max_update_bytes)
+        touched = False
         try:
-            before = self._checksums or session.checksums()
+            if self._checksums is None:  # the first swap on this server: what it serves now is the reference
+                self._checksums = session.checksums()
+                self._draft_sums.setdefault(self._label(), self._checksums.draft)
+            before, touched = self._checksums, True  # from here the draft may change, whatever happens
             error, touched = session.load(new, version)
             if error is None:
                 after = session.checksums()
                 error = self._verify(version, before, after, changes=not new.same_weights(served))
                 touched = True
         except Exception as e:  # noqa: BLE001 - an answer that is not 0.5.23's, or no answer
-            return False, f"the weight-update session failed ({type(e).__name__}: {e})"
+            error = f"the weight-update session failed ({type(e).__name__}: {e})"
         if error is None:
             self._checksums, self._draft_sums[version] = after, after.draft
             self._version, self._served_dir = version, new.directory

@@ -256,6 +256,31 @@ def test_an_update_that_changes_the_target_of_a_server_not_launched_here_takes_i
     assert isinstance(refused, Refused) and refused.status == 500 and "down" in refused.message
 
 
+def test_a_draft_checksum_that_differs_from_the_one_seen_for_the_version_is_refused(registry):
+    host, backend, server = replica(registry, launch=False)
+    assert server.swap_head("v2").ok and backend._draft_sums["v1"]  # the launch head's, taken on the first swap
+    backend._draft_sums["v1"] = "0" * 64  # as if v1's weights had loaded differently before
+    res = server.swap_head("v1")
+    assert not res.ok and "while serving v1 before" in res.message and backend.head_version == "v2"
+    assert server.generate(REQ).spec.head_version == "v2"
+
+
+def test_moe_heads_are_refused_before_anything_is_sent(registry, tmp_path):
+    import json
+    import shutil
+
+    from serving.sglang_swap import DraftWeights
+
+    moe = tmp_path / "moe"
+    shutil.copytree(registry.get("v1"), moe)
+    cfg = json.loads((moe / "config.json").read_text())
+    cfg["architectures"] = ["AdaptiveEagleMoEForCausalLMEagle3"]
+    cfg["adaptive_eagle"]["num_experts"] = 2
+    (moe / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="MoE"):
+        DraftWeights.read(moe)
+
+
 def test_a_session_left_open_is_closed_before_the_swap(registry):
     host, backend, server = replica(registry)
     host.server.session = "draft"
