@@ -153,6 +153,20 @@ def newest_candidate_time(registry) -> Optional[float]:
     return times[-1] if times else None
 
 
+def _log_event(line: str) -> Optional[dict]:
+    """One promotion-log line as {event, candidate, action, at}; None for a torn or corrupt line."""
+    import datetime
+
+    from policies.log import PromotionEvent
+
+    try:
+        e = PromotionEvent.model_validate_json(line)
+    except ValueError:
+        return None
+    at = datetime.datetime.fromisoformat(e.time.replace("Z", "+00:00")).timestamp()
+    return {"event": e.event, "candidate": e.candidate, "action": e.action, "at": at}
+
+
 class PromotionLogFollower:
     """Follows the promotion log as it grows: each call reads only the lines appended since the last one and
     returns the newest event as {event, candidate, action, at}, plus `promoted_at` and `promoted`: the time
