@@ -17,6 +17,8 @@ Metrics (every gauge; ages in seconds):
     ae_trainer_last_step_age_seconds    since the trainer's last optimizer step (since the stack started when
                                         it has not stepped yet)
     ae_trainer_records_seen             records the trainer has read from the store
+    ae_trainer_records_aged_to_replay   records that waited past trainer.max_fresh_age_s for a step (the trainer
+                                        is behind the traffic) and went to the replay buffer instead
     ae_trainer_restarts_total           trainer processes that replaced an earlier one (Ray restarted the actor
                                         after its process ended: a crash, a fatal loop error, a kill), counted
                                         from the first status with a new pid since the gateway started
@@ -234,6 +236,9 @@ class LoopCollector:
                                 value=float(t.get("errors_total") or 0))
         yield GaugeMetricFamily("ae_trainer_records_seen", "Records the trainer has read from the store",
                                 value=float(t.get("records_seen") or 0))
+        yield GaugeMetricFamily("ae_trainer_records_aged_to_replay", "Records that waited longer than "
+                                "trainer.max_fresh_age_s for a step (the trainer is behind the traffic) and went to "
+                                "the replay buffer instead", value=float(t.get("aged_to_replay") or 0))
         if s.trainer_enabled:
             yield CounterMetricFamily("ae_trainer_restarts", "Trainer processes that replaced an earlier one (Ray "
                                       "restarted the actor) since the gateway started", value=float(s.trainer_restarts))

@@ -34,6 +34,9 @@ class NearlineConfig(BaseModel):
     max_len: int = Field(1024, ge=16, le=32768, description="tokens per record (longer ones are truncated)")
     batch_tokens: int = Field(4096, ge=64, description="padded tokens per batch")
     min_fresh_tokens: int = Field(1024, ge=1, description="new-traffic tokens that make a batch worth a step")
+    max_fresh_age_s: float = Field(300.0, gt=0, description=(
+        "a record waiting longer than this for a fresh step (the trainer is behind the traffic) goes straight "
+        "into the replay buffer instead, so steps train on recent traffic and the backlog stays bounded"))
     replay_ratio: float = Field(0.25, ge=0, lt=1, description="share of each batch's rows drawn from the replay buffer")
     replay_per_domain: int = Field(256, ge=1, description="records the replay buffer keeps per domain")
     replay_max_bytes: int = Field(512 << 20, ge=1 << 16, description="cap on the replay buffer's encoded bytes")

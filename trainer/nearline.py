@@ -140,6 +140,7 @@ class TrainerStatus:
     # the last candidate's trainer latency (`candidate_latency`): capture to candidate of the records it was the
     # first to train on, and where that time went (None: no candidate yet in this process)
     candidate_latency: dict | None = None
+    aged_to_replay: int = 0  # records that waited past cfg.max_fresh_age_s and went to the replay buffer instead
 
 
     def to_dict(self) -> dict:
@@ -203,7 +204,8 @@ class NearlineTrainer:
     @staticmethod
     def _zero_counters() -> dict:
         return {"records_seen": 0, "records_trained": 0, "tokens_trained": 0, "tokens_received": 0, "steps": 0,
-                "duplicates": 0, "regenerated_rows": 0, "skipped": {}, "candidates": [], "window": None}
+                "duplicates": 0, "regenerated_rows": 0, "skipped": {}, "candidates": [], "window": None,
+                "aged_to_replay": 0}
 
     # ---- start, resume, follow the champion ---------------------------------------------------------
     def start(self) -> None:
@@ -357,6 +359,7 @@ class NearlineTrainer:
             self._maybe_cold_start()
             if self.head is None:
                 return None
+        self._age_out_fresh()
         kind = "fresh" if force and self.fresh else self.ready()
         if kind is None:
             return None
@@ -399,6 +402,21 @@ class NearlineTrainer:
             self.counters["records_trained"] += 1
             self._widen_window(rec)
         return stats
+
+    def _age_out_fresh(self) -> None:
+        """Behind the traffic: records that waited longer than cfg.max_fresh_age_s for a fresh step go into the
+        replay buffer (acked after the next checkpoint, trained when replay samples them), counted as
+        `aged_to_replay`. Fresh steps then train on recent traffic, and the queue (and its memory) is bounded by
+        what arrives in that time."""
+        now = time.time()
+        while self.fresh and now - self._read_at.get(self.fresh[0][0], now) > self.cfg.max_fresh_age_s:
+            delivery_id, rec = self.fresh.popleft()
+            self._read_at.pop(delivery_id, None)
+            payload = encode_record(rec, self.cfg.store.codec)
+            self.buffer.add(payload, rec.domain, len(payload))
+            self.done_ids.append(delivery_id)
+            self._remember(rec.request_id)
+            self.counters["aged_to_replay"] = self.counters.get("aged_to_replay", 0) + 1  # absent: older checkpoint
 
     def inject_step_fault(self, message: str) -> None:
         """Fault injection for rehearsals: the next step raises InjectedFault(message) after taking its records,
@@ -696,7 +714,7 @@ class NearlineTrainer:
             regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state,
             moe=self.moe.status() if self.moe is not None else None, errors_total=self.errors_total,
             last_error=self.last_error, last_step_at=self.last_step_at, pid=os.getpid(),
-            candidate_latency=self.last_candidate_latency)
+            candidate_latency=self.last_candidate_latency, aged_to_replay=c.get("aged_to_replay", 0))
 
     def close(self) -> None:
         if self.data_parallel is not None:

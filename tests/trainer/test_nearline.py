@@ -185,6 +185,21 @@ def test_candidate_carries_replay_scores_next_to_the_champion_and_the_trainer_fo
     assert tr.follow_champion() and tr.base == name and tr.counters["steps"] == 0
 
 
+def test_records_that_wait_too_long_for_a_step_go_to_the_replay_buffer(tmp_path, world):
+    """A trainer behind the traffic trains on recent records: one that waited past max_fresh_age_s goes into the
+    replay buffer (counted, acked with the next checkpoint), so the fresh queue stays bounded."""
+    cfg, target = setup_run(tmp_path, world, max_fresh_age_s=0.05)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    fresh = len(tr.fresh)
+    assert fresh > 0
+    time.sleep(0.1)
+    assert tr.train_once() is not None  # a replay step: nothing fresh is left to train on
+    assert not tr.fresh and tr.counters["records_trained"] == 0
+    assert tr.status().aged_to_replay == fresh == len(tr.buffer) and len(tr.done_ids) >= fresh
+
+
 def test_trainer_latency_splits_capture_to_candidate_into_its_stages():
     # (captured, read, trained) for three records; evaluation from 100 to 130
     lat = candidate_latency([(0.0, 2.0, 10.0), (20.0, 21.0, 50.0), (40.0, 44.0, 60.0)], 100.0, 130.0)
