@@ -25,9 +25,9 @@ Facts from the 0.5.23 source this module relies on (each one checked by the cont
 - Unknown keys in request bodies are ignored silently upstream (except inside `sampling_params`),
   so a misspelled field is a no-op there: the stand-in in the tests refuses them instead.
 - `/update_weights_from_tensor` takes `serialized_named_tensors`, one base64 string per tensor-parallel
-  rank; each is a pickle that SGLang loads with an allow-list (`SafeUnpickler`). A standard pickle of
-  CPU tensors carries the data by value through globals that list admits (`named_tensor_payload`),
-  so the caller needs no shared memory or CUDA IPC with the server.
+  rank; each is a pickle that SGLang reads with an allow-list of globals. This module only writes one
+  (`named_tensor_payload`: CPU tensors by value, through globals that list admits, so the caller needs no
+  shared memory or CUDA IPC with the server); nothing in the project reads one back.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ What it imitates, with where upstream does it:
   finish reason and the canonical spec_* fields (tokenizer_manager._calculate_spec_decoding_metrics).
   An abort is a finished chunk with `finish_reason {"type": "abort", "message", "status_code"}`.
 - The weight update is a session (scheduler weight_updater): /update_weights_from_tensor outside
-  /begin_weight_update .. /end_weight_update is refused; payloads are unpickled with an allow-list;
+  /begin_weight_update .. /end_weight_update is refused. Payloads are never deserialised here (the
+  project never unpickles): the stand-in reads the tensors the backend built each payload from (recorded
+  where `serving.sglang_protocol.named_tensor_payload` builds it, below), and a payload it did not see built
+  is refused; test_sglang_contract.py checks the payload's globals against upstream's allow-list by reading
+  its opcodes without running them;
   the draft's loader skips unknown names silently and keeps `d2t` on the model while the serving map
   stays the one loaded at launch (so a new vocabulary collapses acceptance, output stays the target's).
   A draft head sent with the "target" (or "all") selector hits the target's loader, which refuses a
@@ -28,14 +32,13 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
-import io
 import json
-import pickle
 import threading
 
 import httpx
 import torch
 
+import serving.sglang_protocol as protocol
 from serving.sglang_swap import WEIGHTS_FILE
 
 # the fields this stand-in implements, per path (tests/serving/test_sglang_contract.py: all exist upstream)
@@ -49,26 +52,32 @@ FIELDS = {
 }
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "sampling_seed", "stop"}
 SELECTORS = ("target", "draft", "all")
-# the pickle globals an update payload may use (a subset of upstream's SafeUnpickler.ALLOWED_GLOBALS) and the
-# one upstream redirects to a weights-only load
+# the globals an update payload may use (a subset of upstream's allow-list) and the one upstream redirects to
+# a weights-only load; test_sglang_contract.py reads them from the payload's opcodes and checks both
 ALLOWED_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")}
 REDIRECTED = ("torch.storage", "_load_from_bytes")
 
-
-def _load_storage(data: bytes):
-    storage = torch.load(io.BytesIO(data), weights_only=True)
-    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
-        raise pickle.UnpicklingError(f"expected a torch storage, got {type(storage).__name__}")
-    return storage
+# payload -> the named tensors it was built from, recorded as the backend builds each one: the stand-in reads
+# an update's tensors from here instead of deserialising the payload
+_BUILT: dict[str, list] = {}
+_build_payload = protocol.named_tensor_payload
 
 
-class _AllowList(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) == REDIRECTED:
-            return _load_storage
-        if (module, name) in ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"blocked global {module}.{name}")
+def _recording_payload(tensors: dict) -> str:
+    payload = _build_payload(tensors)
+    if len(_BUILT) > 256:
+        _BUILT.clear()
+    _BUILT[payload] = [(name, t.detach().to("cpu").clone()) for name, t in tensors.items()]
+    return payload
+
+
+protocol.named_tensor_payload = _recording_payload  # tensor_update_bodies builds every payload through it
+
+
+def _tensors_of(payload: str) -> list | None:
+    """The named tensors a payload was built from; None for a payload the backend did not build."""
+    base64.b64decode(payload, validate=True)  # upstream's first step: a malformed payload fails here too
+    return _BUILT.get(payload)
 
 
 def parse_launch_args(args: list[str]) -> argparse.Namespace:
@@ -289,7 +298,10 @@ class SGLangStandIn:
             if self.session is None:
                 return self._refuse("", "update_weights_from_tensor must run between begin_weight_update() and "
                                         "end_weight_update()")
-            named = [_AllowList(io.BytesIO(base64.b64decode(p, validate=True))).load() for p in payloads]
+            named = [_tensors_of(p) for p in payloads]
+            if any(n is None for n in named):
+                return self._refuse("", "serialized_named_tensors: a payload the backend did not build (the stand-in "
+                                        "does not deserialise payloads)")
             why = self._load(named[0], selector)
             if why is not None:
                 return self._refuse("", why)
