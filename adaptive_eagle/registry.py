@@ -70,7 +70,7 @@ CHAMPION_FILE, PINNED_FILE, BLOCKED_FILE, LOCK_FILE = "champion.json", "pinned.j
 CONTROL_FILES = (CHAMPION_FILE, PINNED_FILE, BLOCKED_FILE)
 REGISTRY_FORMAT = 1
 VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-_RESERVED = {PLAIN, *CONTROL_FILES}
+_RESERVED = {PLAIN, *CONTROL_FILES, "evidence"}  # evidence/: adaptive_eagle.evidence
 
 
 class RegistryError(ValueError):

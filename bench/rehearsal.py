@@ -61,9 +61,9 @@ from serving.loop_metrics import trainer_state_class  # noqa: E402
 from bench.chaos import Prometheus, RedisTLS  # noqa: E402
 
 SCALED_POLICY = ("min_samples", "min_domain_samples", "canary_min_requests", "canary_health_requests",
-                 "canary_max_requests", "rollback_window", "collapse_min_requests")
+                 "canary_max_requests", "offline_max_samples", "rollback_window", "collapse_min_requests")
 POLICY_FLOORS = {"min_samples": 20, "min_domain_samples": 5, "canary_min_requests": 20, "canary_health_requests": 5,
-                 "canary_max_requests": 20, "rollback_window": 20,
+                 "canary_max_requests": 20, "offline_max_samples": 20, "rollback_window": 20,
                  "collapse_min_requests": 5}  # policies/config.py's lower bounds
 SCALED_TRAINER = ("candidate_every_tokens", "candidate_every_minutes", "min_candidate_tokens")
 TREE = {"depth": 5, "topk": 4, "num_draft_tokens": 16}  # filled from prod.yaml's sglang section

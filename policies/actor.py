@@ -42,9 +42,10 @@ class PolicyActor:
         self.tick_errors = 0
 
     async def consider(self, candidate: str, replay_champion: Sequence[RequestSample],
-                       replay_candidate: Sequence[RequestSample], exact_replay: bool = False) -> Decision:
+                       replay_candidate: Sequence[RequestSample], exact_replay: bool = False,
+                       sequential: bool = False, final: bool = False) -> Decision:
         return await asyncio.to_thread(self.controller.consider, candidate, replay_champion, replay_candidate,
-                                       exact_replay=exact_replay)
+                                       exact_replay=exact_replay, sequential=sequential, final=final)
 
     async def tick(self) -> Decision | None:
         return await asyncio.to_thread(self.controller.tick)

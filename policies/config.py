@@ -83,6 +83,10 @@ class PolicyConfig(BaseModel):
         "live requests per head after which a sequential evidence canary that has not decided is rejected as "
         "inconclusive; in [20, 1e7]"))
 
+    offline_max_samples: int = Field(2000, ge=20, le=10_000_000, description=(
+        "paired records after which a candidate whose test-then-train evidence (replayed as it arrives, judged "
+        "by the sequential offline gate) has not decided is rejected as inconclusive; in [20, 1e7]"))
+
     # ---- rollback watch after a promotion ----
     rollback_window: int = Field(200, ge=20, le=10_000_000, description=(
         "requests of the new champion watched after a promotion before the watch ends; in [20, 1e7]"))
@@ -110,6 +114,9 @@ class PolicyConfig(BaseModel):
         if self.canary_max_requests < self.canary_min_requests:
             raise ValueError(f"canary_max_requests ({self.canary_max_requests}) must be >= canary_min_requests "
                              f"({self.canary_min_requests})")
+        if self.offline_max_samples < self.min_samples:
+            raise ValueError(f"offline_max_samples ({self.offline_max_samples}) must be >= min_samples "
+                             f"({self.min_samples})")
         if self.collapse_min_requests > self.rollback_window:
             raise ValueError(f"collapse_min_requests ({self.collapse_min_requests}) must be <= rollback_window "
                              f"({self.rollback_window})")

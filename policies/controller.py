@@ -32,6 +32,7 @@ from policies.config import PolicyConfig
 from policies.fleet import Fleet
 from policies.gates import (
     CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK, Decision, canary_gate, cold_start_gate, health_canary_gate, offline_gate,
+    sequential_offline_gate,
     rollback_check,
 )
 from policies.log import PromotionLog
@@ -169,6 +170,7 @@ class PolicyController:
         self._canary: CanaryRun | None = None
         self._watch: Watch | None = None
         self._lock = threading.RLock()
+        self._gathering: set[str] = set()  # candidates whose growing evidence was looked at and not decided yet
 
     @property
     def state(self) -> State:
@@ -181,7 +183,7 @@ class PolicyController:
                     "canary": None if run is None else {"candidate": run.candidate, "since": run.since, "mode": run.mode},
                     "watching": None if watch is None else {"version": watch.version, "previous": watch.previous,
                                                             "since": watch.since},
-                    "serving": self.fleet.serving_versions()}
+                    "serving": self.fleet.serving_versions(), "gathering": sorted(self._gathering)}
 
     def _to(self, state: State, why: str) -> None:
         log.info("policy: %s -> %s (%s)", self._state, state, why)
@@ -193,27 +195,42 @@ class PolicyController:
 
     # ---- a candidate arrives -----------------------------------------------------------------------
     def consider(self, candidate: str, replay_champion: Sequence[RequestSample],
-                 replay_candidate: Sequence[RequestSample], *, exact_replay: bool = False) -> Decision:
+                 replay_candidate: Sequence[RequestSample], *, exact_replay: bool = False,
+                 sequential: bool = False, final: bool = False) -> Decision:
         """Offline gate on acceptance replay (both heads on the same records); a pass starts the canary.
         exact_replay: every replayed record was greedy, so the replay is what the head would have served and
-        the canary only checks live health (`canary_mode`)."""
+        the canary only checks live health (`canary_mode`). sequential: the evidence grows (test-then-train)
+        and is judged by the sequential offline gate each time it is given again; `final` when it stopped
+        growing. An undecided look is not logged (the first look logs `considered`, the decision its line)."""
         with self._lock:
             champion = self.registry.champion()
             refusal = self._refusal(candidate, champion)
-            self.plog.record("considered", candidate=candidate, champion=champion,
-                             action=None if refusal is None else refusal.action,
-                             reason=refusal.reason if refusal else f"offline gate on {len(replay_candidate)} "
-                                                                   "replayed records")
+            first_look = not sequential or candidate not in self._gathering
+            if first_look or refusal is not None:
+                how = (f"sequential offline gate on test-then-train evidence ({len(replay_candidate)} paired records "
+                       "so far)" if sequential else f"offline gate on {len(replay_candidate)} replayed records")
+                self.plog.record("considered", candidate=candidate, champion=champion,
+                                 action=None if refusal is None else refusal.action,
+                                 reason=refusal.reason if refusal else how)
             if refusal is not None:
+                self._gathering.discard(candidate)
                 return refusal
             stale = stale_evidence(replay_champion, champion)
             if stale is not None:
+                self._gathering.discard(candidate)
                 self.plog.record("rejected", candidate=candidate, champion=champion, action=REJECT, reason=stale)
                 return Decision(REJECT, stale)
-            self._to("offline_gate", f"considering {candidate}")
             if champion == PLAIN and not replay_champion:
                 replay_champion = plain_replay(replay_candidate)
-            decision = offline_gate(replay_champion, replay_candidate, self.config)
+            if sequential:
+                decision = sequential_offline_gate(replay_champion, replay_candidate, self.config, final=final)
+                if decision.action == CONTINUE:
+                    self._gathering.add(candidate)
+                    return decision
+                self._gathering.discard(candidate)
+            else:
+                self._to("offline_gate", f"considering {candidate}")
+                decision = offline_gate(replay_champion, replay_candidate, self.config)
             if decision.action != PROMOTE:
                 what = "offline gate needs more data" if decision.action == CONTINUE else "offline gate"
                 self.plog.record("rejected", candidate=candidate, champion=champion, action=decision.action,

@@ -33,7 +33,7 @@ from scipy.stats import bootstrap
 
 from policies.config import PolicyConfig
 from policies.samples import PLAIN, RequestSample
-from policies.sequential import quantile_bound
+from policies.sequential import paired_tail_path, quantile_bound
 
 Action = Literal["promote", "reject", "continue", "rollback", "hold"]
 PROMOTE, REJECT, CONTINUE, ROLLBACK, HOLD = "promote", "reject", "continue", "rollback", "hold"
@@ -264,6 +264,90 @@ def offline_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestS
                     {**decision.evidence, "dropped_unpaired": len(champion) + len(candidate) - len(a) - len(b)})
 
 
+def pair_in_order(champion: Sequence[RequestSample], candidate: Sequence[RequestSample]
+                  ) -> tuple[list[RequestSample], list[RequestSample]]:
+    """The records both heads scored, in the champion's (arrival) order. A missing or repeated request id is
+    refused: sequential evidence is pairs of the same records."""
+    by_id = {s.request_id: s for s in candidate}
+    if any(not s.request_id for s in (*champion, *candidate)) or len(by_id) != len(candidate) \
+            or len({s.request_id for s in champion}) != len(champion):
+        raise ValueError("sequential evidence needs one sample per head and record, each with a request id")
+    a = [s for s in champion if s.request_id in by_id]
+    return a, [by_id[s.request_id] for s in a]
+
+
+def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
+                            config: PolicyConfig, *, final: bool = False) -> Decision:
+    """Test-then-train evidence: both heads replayed on records that arrived after the candidate was written
+    (it never trained on them), in arrival order, judged every time the evidence grows. A sign test on the
+    records that touch the champion's tail (policies.sequential.paired_tail_path), as two anytime-valid test
+    martingales at 1 - config.confidence_level each:
+
+    - reject as soon as the candidate loses tail records significantly more often than it wins them;
+    - from config.min_samples pairs on, promote (to the canary) once it wins them significantly more often and
+      the point estimates agree: its tail (config.tail_statistic) is not below the champion's, the mean and
+      every checked domain within their tolerances (otherwise wait for more records);
+    - reject as inconclusive when `final` (the trainer closed the evidence) or at config.offline_max_samples.
+
+    However often it looks, an equal head is promoted with probability at most 1 - level (Ville's inequality;
+    tests/policies/test_sequential.py checks it by simulation)."""
+    a_s, b_s = pair_in_order(champion, candidate)
+    q, alpha = config.tail_quantile, 1.0 - config.confidence_level
+    a = np.array([s.accept_length for s in a_s], dtype=float)
+    b = np.array([s.accept_length for s in b_s], dtype=float)
+    n, bar = len(a), float(np.log(1.0 / alpha))
+    ev: dict = {"gate": "offline_sequential", "n": n, "needed": config.min_samples, "level": config.confidence_level,
+                "quantile": q, "statistic": config.tail_statistic, "final": final,
+                "dropped_unpaired": len(champion) + len(candidate) - 2 * n}
+    if n == 0:
+        return Decision(REJECT if final else CONTINUE, "no paired records" + (
+            ": the evidence closed empty." if final else " yet."), ev)
+    path = paired_tail_path(a, b, q)
+    m_wins, m_losses = float(path["log_m_wins"].max()), float(path["log_m_losses"].max())
+    tail_a, tail_b = _tail(a, q, config.tail_statistic), _tail(b, q, config.tail_statistic)
+    mean_a, mean_b = float(a.mean()), float(b.mean())
+    domains = _domain_rows(a_s, b_s, lambda s: s.accept_length, 1.0, q, config)
+    ev.update({"tail_records": int(path["touched"][-1]), "decided": int(path["decided"][-1]),
+               "wins": int(path["wins"][-1]), "e_wins": float(np.exp(min(m_wins, 700))),
+               "e_losses": float(np.exp(min(m_losses, 700))), "e_bar": 1.0 / alpha,
+               "tail_champion": tail_a, "tail_candidate": tail_b, "tail_gain": tail_b - tail_a,
+               "mean_champion": mean_a, "mean_candidate": mean_b, "mean_gain": mean_b - mean_a,
+               "domains": [asdict(r) for r in domains]})
+    what = (f"p{round(100 * q)} accept length" if config.tail_statistic == "quantile"
+            else f"mean accept length of the lowest {round(100 * q)}%")
+    record = f"{ev['wins']} of {ev['decided']} tail records won ({ev['tail_records']} touched the tail, {n} paired)"
+    if m_losses >= bar:
+        return Decision(REJECT, f"worse on the tail: {record}, significant at {config.confidence_level:.0%} "
+                                f"(e-value {ev['e_losses']:.1f} >= {1 / alpha:.0f}).", ev)
+    closing = final or n >= config.offline_max_samples
+    why_closed = "the evidence closed" if final else f"{config.offline_max_samples} paired records"
+    if n < config.min_samples and not final:
+        return Decision(CONTINUE, f"need {config.min_samples} paired records, have {n} ({record}).", ev)
+    if m_wins < bar:
+        if closing:
+            return Decision(REJECT, f"inconclusive at {why_closed}: {record}, e-value {ev['e_wins']:.2f} under "
+                                    f"{1 / alpha:.0f}.", ev)
+        return Decision(CONTINUE, f"{record}: e-value {ev['e_wins']:.2f} of {1 / alpha:.0f}, not decided yet.", ev)
+    guard = None
+    if tail_b < tail_a:
+        guard = f"its {what} is lower ({tail_a:.3f} -> {tail_b:.3f})"
+    elif _dropped(mean_b - mean_a, mean_a, config.mean_tolerance):
+        guard = (f"the mean accept length regresses ({mean_a:.3f} -> {mean_b:.3f}), more than the "
+                 f"{config.mean_tolerance:.0%} tolerance")
+    elif bad := [r for r in domains if r.regressed]:
+        guard = "domain " + ", ".join(f"{r.domain} (tail {r.tail_champion:.3f} -> {r.tail_candidate:.3f}, mean "
+                                      f"{r.mean_champion:.3f} -> {r.mean_candidate:.3f})" for r in bad) + \
+                f" regresses by more than the {config.domain_tolerance:.0%} tolerance"
+    if guard is not None:
+        if closing:
+            return Decision(REJECT, f"wins the tail's sign test ({record}) but {guard}, at {why_closed}.", ev)
+        return Decision(CONTINUE, f"wins the tail's sign test ({record}) but {guard}; waiting for more records.",
+                        ev)
+    return Decision(PROMOTE, f"{what} improves ({tail_a:.3f} -> {tail_b:.3f}, mean {mean_a:.3f} -> {mean_b:.3f}): "
+                             f"{record}, significant at {config.confidence_level:.0%} at any look (e-value "
+                             f"{ev['e_wins']:.1f} >= {1 / alpha:.0f}).", ev)
+
+
 def canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
                 config: PolicyConfig) -> Decision:
     """Live canary that carries the evidence, both heads' requests since the canary began (unpaired). With
@@ -442,6 +526,6 @@ def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[Reque
 __all__ = [
     "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "Decision", "DomainRow",
     "canary_gate", "cold_start_gate", "compare", "health_canary_gate", "offline_gate", "pair_by_request",
-    "rollback_check", "sequential_canary_gate",
+    "pair_in_order", "rollback_check", "sequential_canary_gate", "sequential_offline_gate",
     "tail_gain_interval", "tail_of",
 ]

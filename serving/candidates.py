@@ -1,13 +1,19 @@
 """CandidateFeed: new heads in the registry, handed to the promotion policy with their replay evidence.
 
-Owns: noticing versions that appeared since the stack started, reading the acceptance replay the
-trainer wrote into each candidate's head.json (`metrics.replay.samples.{candidate,champion}`: lists
-of [request_id, domain, accept_length]) into `policies.samples.RequestSample` lists, and calling the
-policy's `consider` when it is free. Must not touch: the gates (policies/), training (trainer/).
+Owns: noticing versions that appeared since the stack started, reading their evidence into
+`policies.samples.RequestSample` lists, and calling the policy's `consider` when it is free. Must not
+touch: the gates (policies/), training (trainer/).
 
-Only the newest waiting candidate matters: one that arrives while the policy is busy (a canary or a
-watch) or the registry is pinned waits; a newer one replaces it. A version without replay samples
-(added by hand) is never considered automatically.
+Two kinds of evidence, as the trainer's `evidence` setting writes them:
+- test-then-train (head.json `metrics.replay.evidence: prequential`): the pairs grow in the candidate's
+  evidence file (adaptive_eagle.evidence) as the trainer replays new records. Every candidate whose evidence
+  is still undecided is re-read whenever it grew, and the policy's sequential offline gate judges it, until it
+  decides (or the file closes and it decides on what is there). A malformed file is refused with its reason,
+  counted and logged, and the candidate is not considered again.
+- held-out (`metrics.replay.samples.{candidate,champion}`: lists of [request_id, domain, accept_length]),
+  complete when the candidate is written: only the newest waiting candidate matters; one that arrives while
+  the policy is busy (a canary or a watch) or the registry is pinned waits, and a newer one replaces it.
+A version with neither (added by hand) is never considered automatically.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import asyncio
 import logging
 from typing import Optional
 
+from adaptive_eagle.evidence import CandidateEvidence, EvidenceError, read_evidence
 from policies.samples import PLAIN, RequestSample
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,18 @@ def replay_samples(metrics: dict, candidate: str) -> Optional[tuple[list[Request
     return rows("champion", champion), rows("candidate", candidate)
 
 
+def prequential(metrics: dict) -> bool:
+    """Whether a candidate's evidence is test-then-train (an evidence file that grows)."""
+    return ((metrics or {}).get("replay") or {}).get("evidence") == "prequential"
+
+
+def evidence_samples(ev: CandidateEvidence) -> tuple[list[RequestSample], list[RequestSample]]:
+    """(champion samples, candidate samples) of test-then-train evidence, in arrival order."""
+    champ = [RequestSample(accept_length=a, head_version=ev.champion, domain=d, request_id=r) for r, d, a, _, _ in ev.rows]
+    cand = [RequestSample(accept_length=b, head_version=ev.version, domain=d, request_id=r) for r, d, _, b, _ in ev.rows]
+    return champ, cand
+
+
 def replay_exact(metrics: dict) -> bool:
     """Whether a candidate's replay was exact: every record it was replayed on was greedy (head.json's
     metrics.replay.exact; False when absent). The policy then runs a health canary (policies.controller)."""
@@ -47,15 +66,22 @@ class CandidateFeed:
         """known: versions never to consider (default: every version in the registry now)."""
         self.registry = registry
         self.known = set(known) if known is not None else {v.version for v in registry.versions()}
-        self.pending: Optional[str] = None
+        self.pending: Optional[str] = None  # held-out evidence: the newest candidate waiting
+        self.gathering: dict[str, tuple[int, bool]] = {}  # test-then-train: version -> (rows, open) last judged
         self.considered: list[tuple[str, str]] = []  # (version, action)
+        self.refused: dict[str, str] = {}  # version -> why its evidence file was refused
+        self.looks = 0  # sequential looks at growing evidence
 
     def scan(self) -> Optional[str]:
-        """The newest candidate not seen yet (it replaces an older pending one)."""
+        """The newest held-out candidate not seen yet (it replaces an older pending one); test-then-train
+        candidates join `gathering`."""
         for v in self.registry.versions():  # oldest first
             if v.version in self.known:
                 continue
             self.known.add(v.version)
+            if prequential(v.metrics):
+                self.gathering[v.version] = (-1, True)
+                continue
             if replay_samples(v.metrics, v.version) is None:
                 log.info("candidate feed: %s has no replay samples; not considered automatically", v.version)
                 continue
@@ -65,16 +91,51 @@ class CandidateFeed:
         return self.pending
 
     async def step(self, policy) -> Optional[object]:
-        """Consider the pending candidate if the policy is idle and nothing is pinned; returns its Decision."""
-        if self.scan() is None:
+        """Consider the pending candidate, or every test-then-train candidate whose evidence grew, if the policy
+        is idle and nothing is pinned; returns the last decision taken (None: nothing was looked at)."""
+        self.scan()
+        if self.pending is None and not self.gathering:
             return None
         status = await policy.status()
         if status.get("state") != "idle" or self.registry.pinned() is not None:
             return None
-        version, self.pending = self.pending, None
-        metrics = self.registry.version(version).metrics
-        champ, cand = replay_samples(metrics, version)
-        decision = await policy.consider(version, champ, cand, replay_exact(metrics))
+        if self.pending is not None:
+            version, self.pending = self.pending, None
+            metrics = self.registry.version(version).metrics
+            champ, cand = replay_samples(metrics, version)
+            decision = await policy.consider(version, champ, cand, exact_replay=replay_exact(metrics))
+            return self._decided(version, decision)
+        decision = None
+        for version in sorted(self.gathering):  # names carry the write time: oldest first
+            ev = self._read(version)
+            if ev is None or (len(ev.rows), ev.open) == self.gathering.get(version):
+                continue
+            self.gathering[version] = (len(ev.rows), ev.open)
+            champ, cand = evidence_samples(ev)
+            self.looks += 1
+            decision = await policy.consider(version, champ, cand, exact_replay=ev.exact, sequential=True,
+                                           final=not ev.open)
+            if decision.action != "continue":
+                self.gathering.pop(version, None)
+                self._decided(version, decision)
+            if decision.action == "promote":  # a canary runs: the others wait for the policy to be idle again
+                break
+        return decision
+
+    def counts(self) -> dict:
+        """For the loop's metrics: evidence files refused, sequential looks, candidates gathering."""
+        return {"refused": len(self.refused), "looks": self.looks, "gathering": len(self.gathering)}
+
+    def _read(self, version: str) -> Optional[CandidateEvidence]:
+        try:
+            return read_evidence(self.registry.root, version)
+        except EvidenceError as e:
+            self.gathering.pop(version, None)
+            self.refused[version] = e.reason
+            log.error("candidate feed: %s not considered: its evidence file is refused: %s", version, e)
+            return None
+
+    def _decided(self, version: str, decision) -> object:
         self.considered.append((version, decision.action))
         log.info("candidate feed: %s considered: %s (%s)", version, decision.action, decision.reason)
         return decision
@@ -91,4 +152,4 @@ class CandidateFeed:
                 pass
 
 
-__all__ = ["CandidateFeed", "replay_exact", "replay_samples"]
+__all__ = ["CandidateFeed", "evidence_samples", "prequential", "replay_exact", "replay_samples"]

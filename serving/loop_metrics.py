@@ -65,6 +65,7 @@ class LoopSnapshot:
     policy_running: bool = False
     poll_errors: dict = field(default_factory=dict)  # part -> failed polls
     trainer_restarts: int = 0  # the trainer answered from a new process
+    feed: Optional[dict] = None  # the candidate feed's counts (refused evidence files, sequential looks)
 
 
 class LoopWatcher:
@@ -74,9 +75,10 @@ class LoopWatcher:
 
     def __init__(self, *, trainer_status: Optional[Callable[[], dict]], candidate_time: Callable[[], Optional[float]],
                  last_event: Callable[[], Optional[dict]], policy_running: Callable[[], bool],
-                 every_s: float = 5.0, clock: Callable[[], float] = time.time) -> None:
+                 feed: Optional[Callable[[], dict]] = None, every_s: float = 5.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self._readers = {"trainer": trainer_status, "registry": candidate_time, "promotion_log": last_event,
-                         "policy": policy_running}
+                         "policy": policy_running, "feed": feed}
         self.every_s, self.clock = every_s, clock
         self._snap = LoopSnapshot(started_at=clock(), trainer_enabled=trainer_status is not None)
         self._lock = threading.Lock()
@@ -118,13 +120,14 @@ class LoopWatcher:
             s.candidate_at = values.get("registry")
             s.last_event = values.get("promotion_log")
             s.policy_running = bool(values.get("policy"))
+            s.feed = values.get("feed")
             return self.snapshot()
 
     def snapshot(self) -> LoopSnapshot:
         s = self._snap
         return LoopSnapshot(s.started_at, dict(s.trainer) if s.trainer else None, s.trainer_enabled, s.candidate_at,
                             dict(s.last_event) if s.last_event else None, s.policy_running, dict(s.poll_errors),
-                            s.trainer_restarts)
+                            s.trainer_restarts, dict(s.feed) if s.feed else None)
 
     def start(self) -> None:
         self.poll()
@@ -236,6 +239,17 @@ class LoopCollector:
                                 value=float(t.get("errors_total") or 0))
         yield GaugeMetricFamily("ae_trainer_records_seen", "Records the trainer has read from the store",
                                 value=float(t.get("records_seen") or 0))
+        yield GaugeMetricFamily("ae_trainer_evidence_rows", "Test-then-train evidence rows the trainer wrote (this "
+                                "process): records replayed by the champion and a candidate before training on them",
+                                value=float(t.get("evidence_rows") or 0))
+        yield GaugeMetricFamily("ae_candidates_gathering_evidence", "Candidate snapshots whose test-then-train "
+                                "evidence is still growing", value=float(len(t.get("gathering") or ())))
+        if s.feed is not None:
+            yield CounterMetricFamily("ae_candidate_evidence_refused", "Candidates whose evidence file the policy "
+                                      "refused (malformed; named in the log), never considered", value=float(
+                                          s.feed.get("refused", 0)))
+            yield CounterMetricFamily("ae_candidate_evidence_looks", "Looks of the sequential offline gate at "
+                                      "growing test-then-train evidence", value=float(s.feed.get("looks", 0)))
         yield GaugeMetricFamily("ae_trainer_records_aged_to_replay", "Records that waited longer than "
                                 "trainer.max_fresh_age_s for a step (the trainer is behind the traffic) and went to "
                                 "the replay buffer instead", value=float(t.get("aged_to_replay") or 0))

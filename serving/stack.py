@@ -248,7 +248,8 @@ class LocalStack:
             trainer_status=trainer_status if trainer is not None else None,
             candidate_time=lambda: newest_candidate_time(self.registry),
             last_event=PromotionLogFollower(c.promotion_log),
-            policy_running=lambda: policy_thread is not None and policy_thread.is_alive())
+            policy_running=lambda: policy_thread is not None and policy_thread.is_alive(),
+            feed=(lambda: self.feed.counts()) if self.feed is not None else None)
         self.watcher.start()
         self.app.state.gateway.metrics.registry.register(LoopCollector(self.watcher))
 

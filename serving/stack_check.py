@@ -66,8 +66,9 @@ def check_stack(cfg: StackConfig, serving_target: bool = True) -> StackCheck:
 
 # ---- the rules -------------------------------------------------------------------------------------
 def _candidates(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
-    """The trainer writes a candidate only once its held-out pool can score it, and the offline gate judges
-    it only on at least policy.min_samples replayed records: both must be reachable."""
+    """The offline gate judges a candidate only on at least policy.min_samples replayed records: with held-out
+    evidence the trainer writes one only once its held-out pool can score it, with test-then-train evidence a
+    snapshot's evidence must not close before: both must be reachable."""
     if not cfg.trainer.enabled:
         return
     gates, own = cfg.policy.gates(), cfg.trainer.inner_fields()
@@ -88,6 +89,14 @@ def _candidates(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> 
             problems.append(Problem(tuple(f"trainer.{p}" for p in err["loc"]) or ("trainer",), msg))
         return
     if not cfg.policy.enabled:
+        return
+    if nl.evidence == "prequential":
+        if nl.candidate_evidence_records < gates.min_samples:
+            problems.append(Problem(("trainer.candidate_evidence_records", "policy.min_samples"), (
+                f"a snapshot's test-then-train evidence closes after {nl.candidate_evidence_records} records, but "
+                f"the offline gate decides only on {gates.min_samples} or more: no candidate could ever pass. "
+                f"Raise trainer.candidate_evidence_records to >= {gates.min_samples} (or remove it: the stack uses "
+                "policy.offline_max_samples)")))
         return
     if nl.heldout_per_domain < gates.min_samples:
         problems.append(Problem(("trainer.heldout_per_domain", "policy.min_samples"), (

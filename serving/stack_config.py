@@ -206,10 +206,11 @@ class StackConfig(_Section):
                                                **update})
 
     def nearline_config(self) -> NearlineConfig:
-        """The trainer's config. Unless the trainer section sets them: a candidate is written once the policy's
-        offline gate has enough held-out records to judge it (min_samples), and the held-out pool keeps at
-        least that many records of a domain (a single-domain workload must be able to reach it) and at least
-        the gate's per-domain minimum."""
+        """The trainer's config. Unless the trainer section sets them: a test-then-train snapshot gathers
+        evidence until the policy's offline gate must decide (offline_max_samples); with held-out evidence, a
+        candidate is written once the offline gate has enough held-out records to judge it (min_samples), and
+        the held-out pool keeps at least that many records of a domain (a single-domain workload must be able to
+        reach it) and at least the gate's per-domain minimum."""
         return self.trainer.nearline(str(self.registry_path), str(self.state_path / "trainer"), self.store_config,
                                      self.serving.target, defaults=self.trainer_defaults())
 
@@ -217,7 +218,8 @@ class StackConfig(_Section):
         """The trainer fields the stack derives from the policy (the trainer section's own values win)."""
         gates = self.policy.gates()
         pool = max(NearlineConfig.model_fields["heldout_per_domain"].default, gates.min_samples)
-        return {"min_candidate_heldout": gates.min_samples, "heldout_per_domain": pool}
+        return {"min_candidate_heldout": gates.min_samples, "heldout_per_domain": pool,
+                "candidate_evidence_records": gates.offline_max_samples}
 
 
 # ---- reading, errors, defaults ------------------------------------------------------------------------

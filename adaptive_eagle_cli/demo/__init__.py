@@ -52,6 +52,8 @@ def demo(
                                              "temporary directory removed afterwards"),
     keep_state: bool = typer.Option(False, help="keep the temporary state directory"),
     seed: int = typer.Option(0, help="seed of the prompt order"),
+    evidence: str = typer.Option("prequential", help="how candidates are judged: prequential (test-then-train: "
+                                 "every record replayed, then trained on) or heldout (a share never trained on)"),
 ) -> None:
     """The main job: the whole loop on drifting traffic — serving, capture, near-line training, gated
     promotion — next to the frozen shipped head on the same requests. Writes report.md, summary.json,
@@ -70,7 +72,7 @@ def demo(
     try:
         cfg = DemoConfig.make(**fields, out=str(out), scenario=scenario, prompts=str(prompts) if prompts else None,
                               clients=clients, quick=quick, port=port, state_dir=str(state_dir) if state_dir else None,
-                              keep_state=keep_state, seed=seed)
+                              keep_state=keep_state, seed=seed, evidence=evidence)
     except DemoConfigError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -61,6 +61,9 @@ class DemoConfig(BaseModel):
                                      "(None: a fresh temporary directory)")
     keep_state: bool = Field(False, description="keep the temporary state directory after the run")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompt order; in [0, 2**31 - 1]")
+    evidence: Literal["prequential", "heldout"] = Field("prequential", description=(
+        "how candidates are judged (trainer.evidence): prequential (test-then-train) or heldout; in "
+        "{prequential, heldout}"))
 
     @field_validator("scenario", mode="before")
     @classmethod
@@ -151,8 +154,11 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
     trainer = {
         "num_cpus": 0, "device": "cpu", "poll_ms": 200, "checkpoint_every_s": 20,
         "champion_check_s": 3, "batch_tokens": 1024 if quick else 4096, "min_fresh_tokens": 256 if quick else 1024,
-        "heldout_percent": 50 if quick else 25, "heldout_per_domain": 48,
-        "candidate_every_tokens": 1024 if quick else 60_000, "candidate_every_minutes": 0.3 if quick else 2.5,
+        # test-then-train: a snapshot costs no replay when written and gathers evidence from then on, so one
+        # every 1.5 minutes (two gather at once); a held-out candidate is replayed when written (every 2.5)
+        "evidence": cfg.evidence, "heldout_percent": 50 if quick else 25, "heldout_per_domain": 48,
+        "candidate_every_tokens": 1024 if quick else 60_000,
+        "candidate_every_minutes": 0.3 if quick else 1.5 if cfg.evidence == "prequential" else 2.5,
         "min_candidate_tokens": 512 if quick else 8192, "max_len": 768,
         # the replica and the trainer each run one thread: with two or more cores each has its own and the
         # trainer never needs to pause; on one core it pauses while a request waits for the replica

@@ -87,7 +87,9 @@ def trainer_line(status: Optional[dict]) -> str:
     loss = f"{status['loss']:.3f}" if status.get("loss") is not None else "-"
     return (f"trainer: {status.get('state')} | records {status.get('records_seen', 0)} seen, "
             f"{status.get('records_trained', 0)} trained | {status.get('tokens_trained', 0):,} tokens trained | "
-            f"loss {loss} | candidates {status.get('candidates', 0)} (last {status.get('last_candidate') or '-'})")
+            f"loss {loss} | candidates {status.get('candidates', 0)} (last {status.get('last_candidate') or '-'})"
+            + ("" if not status.get("gathering") else " | evidence " + ", ".join(
+                f"{g['version']} {g['records']}" for g in status["gathering"])))
 
 
 class LiveView:

@@ -359,3 +359,80 @@ def test_sampled_replay_gets_the_evidence_canary(tmp_path, registry_template):
     forced = CFG.model_copy(update={"canary_mode": "evidence"})
     from policies.controller import canary_mode
     assert canary_mode(forced, "v1", True) == "evidence" and canary_mode(CFG, "none", True) == "cold_start"
+
+
+# ---- test-then-train evidence: the sequential offline gate, looked at as the evidence grows -------------------
+def test_growing_evidence_is_judged_at_every_look_and_logged_once(tmp_path, registry_template):
+    """consider(sequential=True): an undecided look leaves the policy idle and writes nothing to the log after
+    the first `considered`; the look at which the sign test passes starts the canary."""
+    w = make_world(tmp_path, registry_template)
+    w.ctrl.config = CFG.model_copy(update={"min_samples": 20})
+    champ, cand = replay(0.0, 0.3, n=300)
+    looks = []
+    for n in range(5, 301, 5):
+        d = w.ctrl.consider("v2", champ[:n], cand[:n], exact_replay=True, sequential=True)
+        looks.append(d.action)
+        if d.action != CONTINUE:
+            break
+    assert looks[-1] == PROMOTE and set(looks[:-1]) == {CONTINUE} and len(looks) > 1
+    assert w.events() == ["considered", "canary_started"] and w.ctrl.state == "canary"
+    started = w.plog.read().events[-1]
+    assert started.evidence["gate"] == "offline_sequential" and started.evidence["canary"] == "health"
+
+
+def test_evidence_that_closes_undecided_is_rejected_as_inconclusive(tmp_path, registry_template):
+    w = make_world(tmp_path, registry_template)
+    w.ctrl.config = CFG.model_copy(update={"min_samples": 20})
+    champ, cand = replay(0.0, 0.0, n=30)
+    assert w.ctrl.consider("v2", champ, cand, sequential=True).action == CONTINUE
+    assert w.ctrl.status()["gathering"] == ["v2"]
+    d = w.ctrl.consider("v2", champ, cand, sequential=True, final=True)
+    assert d.action == REJECT and "inconclusive" in d.reason and w.ctrl.status()["gathering"] == []
+    assert w.events() == ["considered", "rejected"] and w.ctrl.state == "idle"
+
+
+def test_the_feed_rereads_growing_evidence_and_refuses_a_malformed_file(tmp_path, registry_template):
+    """serving.candidates.CandidateFeed with test-then-train candidates: each is re-read whenever its evidence
+    grew (not otherwise), judged by the real controller, and a malformed evidence file is refused with its
+    reason and never considered again."""
+    import asyncio
+
+    import torch
+
+    from adaptive_eagle.checkpoint import HeadMeta
+    from adaptive_eagle.evidence import CandidateEvidence, evidence_path, write_evidence
+    from serving.candidates import CandidateFeed
+
+    w = make_world(tmp_path, registry_template)
+    w.ctrl.config = CFG.model_copy(update={"min_samples": 20})
+
+    class Policy:  # the policy actor's two calls, on the real controller
+        async def status(self):
+            return w.ctrl.status()
+
+        async def consider(self, *args, **kw):
+            return w.ctrl.consider(*args, **kw)
+
+    feed = CandidateFeed(w.reg)
+    loaded = w.reg.load("v2")
+    for name in ("c1", "c2"):
+        meta = HeadMeta.new(name, loaded.meta.target_name, loaded.meta.target_fingerprint, parent="v1",
+                            metrics={"replay": {"evidence": "prequential", "champion_version": "v1"}})
+        w.reg.register(loaded.head, meta, dtype=torch.float32)
+    champ, cand = replay(0.0, 0.3, n=300)
+    ev = CandidateEvidence(version="c1", champion="v1")
+    write_evidence(w.reg.root, ev)
+    evidence_path(w.reg.root, "c2").write_text("{not json")
+    assert asyncio.run(feed.step(Policy())).action == CONTINUE  # c1: no rows yet
+    assert "c2" in feed.refused and "malformed" in feed.refused["c2"] and set(feed.gathering) == {"c1"}
+    assert asyncio.run(feed.step(Policy())) is None  # nothing grew: nothing looked at
+    decisions = []
+    for a, b in zip(champ, cand):
+        ev.add(a.request_id, a.domain, a.accept_length, b.accept_length, True)
+        if len(ev.rows) % 10 == 0:
+            write_evidence(w.reg.root, ev)
+            decisions.append(asyncio.run(feed.step(Policy())))
+            if decisions[-1] is not None and decisions[-1].action == PROMOTE:
+                break
+    assert decisions[-1].action == PROMOTE and feed.considered == [("c1", PROMOTE)] and w.ctrl.state == "canary"
+    assert w.events() == ["considered", "canary_started"] and not feed.gathering

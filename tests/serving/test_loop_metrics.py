@@ -124,3 +124,16 @@ def test_time_since_the_last_promotion_and_the_drift_signal_per_domain():
     assert m['ae_drift_flagged{domain="code"}'] == 1.0 and m['ae_drift_flagged{domain="english"}'] == 0.0
     assert m['ae_drift_accept_length{domain="code"}'] < 0.9 * m['ae_drift_reference_accept_length{domain="code"}']
     assert m['ae_drift_reference_accept_length{domain="english"}'] == 2.0
+
+
+def test_test_then_train_evidence_and_refused_evidence_files_show_in_the_metrics():
+    clock = Clock()
+    status = {"state": "evaluating", "pid": 1, "evidence_rows": 42,
+              "gathering": [{"version": "nl-1", "records": 30}, {"version": "nl-2", "records": 12}]}
+    w = LoopWatcher(trainer_status=lambda: status, candidate_time=lambda: None, last_event=lambda: None,
+                    policy_running=lambda: True, feed=lambda: {"refused": 1, "looks": 7, "gathering": 2}, clock=clock)
+    w.poll()
+    m = scrape(w)
+    assert m["ae_trainer_evidence_rows"] == 42.0 and m["ae_candidates_gathering_evidence"] == 2.0
+    assert m["ae_candidate_evidence_refused_total"] == 1.0 and m["ae_candidate_evidence_looks_total"] == 7.0
+    assert m["ae_trainer_healthy"] == 1.0  # evaluating (replaying evidence) is a healthy state

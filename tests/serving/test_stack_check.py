@@ -136,15 +136,16 @@ def test_a_stack_refuses_to_start_before_creating_anything(tmp_path):
 
 
 def test_under_the_stack_defaults_the_trainer_itself_writes_a_candidate_the_gate_can_judge(tmp_path):
-    """The default proportions (heldout_percent 10, the held-out pool and the candidate minimum derived from the
-    policy's min_samples) at the policy's smallest min_samples (20), with the trainer's cadence scaled to a test's
-    minute. The trainer's own loop writes the candidate; the offline gate then decides on it (a promotion or a
-    rejection, never 'needs more data')."""
+    """The default evidence (test-then-train, the evidence cap derived from the policy's offline_max_samples) at
+    the policy's smallest min_samples (20), with the trainer's cadence scaled to a test's minute. The trainer's own
+    loop writes the snapshot and replays the records it reads next into its evidence; the sequential offline gate
+    then decides on it (a promotion or a rejection, never 'needs more data')."""
+    from adaptive_eagle.evidence import read_evidence
     from feature_store.writer import write_records
-    from policies.gates import CONTINUE, offline_gate
-    from serving.candidates import replay_samples
+    from policies.gates import CONTINUE, sequential_offline_gate
+    from serving.candidates import evidence_samples, prequential
     from tests.adaptive_eagle.test_engine import tiny_setup
-    from trainer.nearline import NearlineTrainer, is_heldout
+    from trainer.nearline import NearlineTrainer
 
     target, head = tiny_setup(seed=11, dtype=torch.float32)
     cfg = parse_stack_config({
@@ -154,7 +155,7 @@ def test_under_the_stack_defaults_the_trainer_itself_writes_a_candidate_the_gate
                     "tree_topk": 2, "tree_draft_tokens": 6},
         "policy": {"min_samples": 20, "min_domain_samples": 5}})
     nl = cfg.nearline_config()
-    assert (nl.heldout_percent, nl.min_candidate_heldout) == (10, 20) and nl.heldout_per_domain >= 20
+    assert nl.evidence == "prequential" and nl.candidate_evidence_records == cfg.policy.gates().offline_max_samples
     assert check_stack(cfg).ok
     reg = HeadRegistry.create(cfg.registry_path)
     reg.register(head, HeadMeta.new("v1", target.name, target.fingerprint), dtype=torch.float32)
@@ -166,31 +167,33 @@ def test_under_the_stack_defaults_the_trainer_itself_writes_a_candidate_the_gate
     for i in range(16):
         prompt = torch.randint(0, 32, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
         base.append(engine.generate(prompt, SamplingParams(max_tokens=20), capture=True).trace)
-    # traffic: the same 16 answers under many request ids, until 10% of ids give the gate its 20 records
-    records, held = [], 0
-    for i in range(10_000):
-        rid = f"req-{i}"
-        held += is_heldout(rid, nl.heldout_percent)
-        records.append(base[i % len(base)].__class__(**{**base[i % len(base)].__dict__, "request_id": rid}))
-        if held >= 24:
-            break
+    # traffic: the same 16 answers under 400 request ids; the first snapshot comes after 500 trained tokens and
+    # replays every record read after it
+    records = [base[i % len(base)].__class__(**{**base[i % len(base)].__dict__, "request_id": f"req-{i}"})
+               for i in range(400)]
     write_records(cfg.store_config, records)
     trainer = NearlineTrainer(nl, target=target)
     stop = threading.Event()
     thread = threading.Thread(target=trainer.run, args=(stop,), daemon=True)
     thread.start()
+    need = cfg.policy.gates().min_samples
+
+    def evidence():
+        cands = [v for v in reg.versions() if v.version != "v1"]
+        return read_evidence(reg.root, cands[0].version) if cands else None
+
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not [v for v in reg.versions() if v.version != "v1"]:
+        while time.monotonic() < deadline and not ((ev := evidence()) is not None and len(ev.rows) >= need):
             time.sleep(0.2)
     finally:
         stop.set()
         thread.join(60)
-    candidates = [v for v in reg.versions() if v.version != "v1"]
-    assert candidates, trainer.status().to_dict()
-    cand = candidates[0]
-    assert cand.training["trainer"] == "nearline" and cand.metrics["replay"]["records"] >= 20
-    champion, samples = replay_samples(cand.metrics, cand.version)
-    decision = offline_gate(champion, samples, cfg.policy.gates())
+    ev = evidence()
+    assert ev is not None and len(ev.rows) >= need, trainer.status().to_dict()
+    cand = reg.version(ev.version)
+    assert cand.training["trainer"] == "nearline" and prequential(cand.metrics) and ev.exact
+    champion, samples = evidence_samples(ev)
+    decision = sequential_offline_gate(champion, samples, cfg.policy.gates(), final=True)
     assert decision.action != CONTINUE, decision.reason  # enough evidence: a real decision
     assert json.dumps(decision.evidence, default=str)

@@ -145,7 +145,7 @@ def test_near_line_candidate_beats_the_shipped_head_on_held_out_code_without_for
 
     torch.manual_seed(0)
     cfg = NearlineConfig(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "trainer"), store=store,
-                         heldout_percent=HELDOUT_PERCENT, min_candidate_heldout=sum(HELDOUT.values()),
+                         evidence="heldout", heldout_percent=HELDOUT_PERCENT, min_candidate_heldout=sum(HELDOUT.values()),
                          max_passes=MAX_PASSES,
                          candidate_every_tokens=10**9, checkpoint_every_s=10**6)
     trainer = NearlineTrainer(cfg, target=smollm2)

@@ -46,7 +46,7 @@ def setup_run(tmp_path, world, **over):
     store = StoreConfig(backend="local", local_root=str(tmp_path / "store"), fsync=False, claim_idle_ms=3_600_000)
     write_records(store, records)
     kw = dict(registry=str(tmp_path / "registry"), work_dir=str(tmp_path / "work"), store=store, batch_tokens=256,
-              min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0, heldout_percent=20,
+              min_fresh_tokens=32, max_loss_rows=None, lr=1e-3, warmup_steps=0, evidence="heldout", heldout_percent=20,
               candidate_every_tokens=400, min_candidate_tokens=100, min_candidate_heldout=1, tree_depth=3, tree_topk=2,
               tree_draft_tokens=6)
     return NearlineConfig(**{**kw, **over}), target
@@ -183,6 +183,67 @@ def test_candidate_carries_replay_scores_next_to_the_champion_and_the_trainer_fo
     assert "new records were captured" in tr.events[-1]
     tr.registry.set_champion(name, expect="v1")
     assert tr.follow_champion() and tr.base == name and tr.counters["steps"] == 0
+
+
+def test_test_then_train_snapshots_gather_evidence_only_from_records_they_never_trained_on(tmp_path, world):
+    """Evidence 'prequential': no record is held out; a snapshot is written without replay, and every record the
+    trainer takes afterwards is replayed by the champion and the snapshot before a step trains on it. The
+    evidence file holds exactly those records, in arrival order; a newer snapshot beyond max_pending closes the
+    oldest's file, and a champion change closes the rest."""
+    from adaptive_eagle.evidence import read_evidence
+
+    target, head, records = world
+    cfg, target = setup_run(tmp_path, world, evidence="prequential", max_pending_candidates=1)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    assert not tr.heldout and len(tr.fresh) == N_RECORDS  # nothing withheld
+    half = N_RECORDS // 2
+    trained_before = []
+    while len(trained_before) < half:
+        before = {r.request_id for _, r in tr.fresh}
+        tr.train_once(force=True)
+        trained_before += sorted(before - {r.request_id for _, r in tr.fresh})
+    assert tr.candidate_due()
+    first = tr.write_candidate()
+    v = tr.registry.version(first)
+    assert v.metrics["replay"] == {"evidence": "prequential", "champion_version": "v1", "tree": cfg.tree.__dict__,
+                                   "records": 0}
+    ev = read_evidence(cfg.registry, first)
+    assert ev.open and ev.rows == [] and ev.champion == "v1"
+    waiting = [r.request_id for _, r in tr.fresh]
+    while tr.fresh:
+        tr.train_once(force=True)
+    ev = read_evidence(cfg.registry, first)
+    assert [r[0] for r in ev.rows] == waiting  # the records it never trained on, in arrival order
+    assert not set(waiting) & set(trained_before)
+    assert ev.exact and all(r[2] >= 1 and r[3] >= 1 for r in ev.rows)
+    assert tr.status().gathering[0]["records"] == len(waiting) and tr.status().evidence == "prequential"
+    second = tr.write_candidate()  # max_pending 1: the first snapshot's evidence closes
+    closed = read_evidence(cfg.registry, first)
+    assert not closed.open and "superseded" in closed.closed_reason and len(closed.rows) == len(waiting)
+    assert read_evidence(cfg.registry, second).open
+    tr.registry.set_champion(second, expect="v1")
+    assert tr.follow_champion()
+    assert "champion changed" in read_evidence(cfg.registry, second).closed_reason and not tr.book.open
+
+
+def test_a_restarted_trainer_closes_the_evidence_it_left_open(tmp_path, world):
+    from adaptive_eagle.evidence import read_evidence
+
+    cfg, target = setup_run(tmp_path, world, evidence="prequential")
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    while tr.counters["tokens_trained"] < cfg.min_candidate_tokens:
+        tr.train_once(force=True)
+    name = tr.write_candidate()
+    tr.checkpoint()
+    assert read_evidence(cfg.registry, name).open
+    again = NearlineTrainer(cfg, target=target)
+    again.start()
+    ev = read_evidence(cfg.registry, name)
+    assert not ev.open and "restarted" in ev.closed_reason
 
 
 def test_records_that_wait_too_long_for_a_step_go_to_the_replay_buffer(tmp_path, world):
