@@ -100,7 +100,7 @@ class Watch:
     version: str  # the new champion
     previous: str  # the champion it replaced
     since: float
-    baseline: tuple[RequestSample, ...]  # the previous champion's live samples during the canary
+    baseline: tuple[RequestSample, ...]  # the previous champion's last rollback_window live requests
 
 
 # ---- on-call operations: registry + log (the CLI's, and the controller's) -------------------------------
@@ -294,7 +294,10 @@ class PolicyController:
         self._end_canary(run, decision)
         if decision.action != PROMOTE:
             return decision
-        return self._promote(run, decision, baseline=champ)
+        # the watch compares the new champion with the previous one's last rollback_window live requests (not only
+        # its canary share: a health canary of a few requests is no baseline for a tail)
+        recent = sorted(self.fleet.live_samples(run.champion, 0.0), key=lambda s: s.finished_at)
+        return self._promote(run, decision, baseline=recent[-self.config.rollback_window:])
 
     def _end_canary(self, run: CanaryRun, decision: Decision) -> Decision:
         note = ""

@@ -485,7 +485,8 @@ def rollback_check(previous_baseline: Sequence[RequestSample], live_after_promot
     over its last >= config.collapse_min_requests requests, checked at once) or when, after
     config.rollback_window requests, its tail is below the previous champion's baseline by more than
     config.rollback_margin with the whole interval below; hold when the window passes; continue before.
-    A plain-decoding baseline ("none") is compared on TPOT, when both sides are timed."""
+    A plain-decoding baseline ("none") is compared on TPOT, when both sides are timed; a baseline of fewer than
+    config.collapse_min_requests requests is not compared (only the collapse check applies)."""
     live = sorted(live_after_promotion, key=lambda s: s.finished_at)[-config.rollback_window:]
     n = len(live)
     ev: dict = {"gate": "rollback", "n_live": n, "window": config.rollback_window}
@@ -516,6 +517,9 @@ def rollback_check(previous_baseline: Sequence[RequestSample], live_after_promot
 
 def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[RequestSample],
                          config: PolicyConfig) -> Comparison | None:
+    """None when there is no baseline worth comparing a tail with (fewer than collapse_min_requests requests)."""
+    if len(baseline) < config.collapse_min_requests:
+        return None
     plain = bool(baseline) and all(s.head_version == PLAIN for s in baseline)
     if plain:  # accept length 1.0 everywhere: only wall time can say whether the head pays
         timed = [[s for s in side if s.tpot_s is not None and np.isfinite(s.tpot_s)] for side in (baseline, live)]

@@ -47,8 +47,8 @@ class DemoConfig(BaseModel):
     max_tokens: int = Field(96, ge=8, le=512, description="tokens generated per request; in [8, 512]")
     think_s: float = Field(1.0, ge=0.0, le=60.0, description="pause of a client between its requests (leaves the "
                            "trainer CPU time); in [0, 60]")
-    first_phase_share: float = Field(0.3, gt=0.0, lt=1.0, description="share of the traffic time of the first "
-                                     "phase (before the drift); in (0, 1)")
+    first_phase_share: float = Field(0.2, gt=0.0, lt=1.0, description="share of the traffic time of the first "
+                                     "phase (before the drift: about 40 requests of a 15-minute run); in (0, 1)")
     control_every: int = Field(6, ge=1, le=1000, description="every k-th request is also decoded in-process with "
                                "the frozen head (its tokens/s); in [1, 1000]")
     greedy_checks: int = Field(5, ge=0, le=100, description="responses checked against plain greedy decoding; "

@@ -436,3 +436,23 @@ def test_the_feed_rereads_growing_evidence_and_refuses_a_malformed_file(tmp_path
                 break
     assert decisions[-1].action == PROMOTE and feed.considered == [("c1", PROMOTE)] and w.ctrl.state == "canary"
     assert w.events() == ["considered", "canary_started"] and not feed.gathering
+
+
+def test_the_watch_baseline_is_the_previous_champions_recent_requests_not_only_its_canary_share(
+        tmp_path, registry_template):
+    """A health canary of 5 requests a head leaves the old champion ~5 canary samples: the watch compares the new
+    champion with the old one's last rollback_window live requests instead, and a baseline under
+    collapse_min_requests is never compared (only a collapse rolls back)."""
+    from policies.gates import rollback_check
+    from tests.policies.helpers import samples
+
+    w = make_world(tmp_path, registry_template)
+    w.ctrl.config = CFG.model_copy(update={"sequential": True, "canary_health_requests": 5})
+    w.traffic.serve(300)  # v1 serves alone before the candidate arrives
+    assert w.ctrl.consider("v2", *replay(0.0, 0.3), exact_replay=True).action == PROMOTE
+    assert w.run_canary(12).action == PROMOTE
+    base = w.ctrl._watch.baseline
+    assert len(base) == CFG.rollback_window and {s.head_version for s in base} == {"v1"}
+    few = samples([3.0] * 4, "v1")
+    low = samples([1.5] * CFG.rollback_window, "v2", ids="x")
+    assert rollback_check(few, low, CFG).action == HOLD  # 4 baseline requests: nothing to compare a tail with
