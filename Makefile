@@ -46,7 +46,7 @@ prometheus:
 	  echo "installing prometheus (apt-get)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null; }
 
-# make demo DEMO_ARGS="--minutes 60": a run long enough for a promotion on 2 CPU cores
+# make demo: the whole loop in 15 minutes (DEMO_ARGS="--minutes 30 --scenario english,code,math" for more)
 demo: setup
 	$(VENV)/bin/adaptive-eagle demo $(DEMO_ARGS)
 
@@ -63,8 +63,10 @@ test-loaded: setup redis-server prometheus sglang-wheel
 	$(if $(CPU_ISA),ATEN_CPU_CAPABILITY=$(CPU_ISA) ONEDNN_MAX_CPU_ISA=$(shell echo $(CPU_ISA) | tr a-z A-Z)) \
 	  SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-cpu-hog.sh ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+# between edits: the suite without the slow tests (the real SmolLM2 target, Ray, real data; tests/conftest.py marks
+# every test that takes the smollm2 or ray_session fixture), Redis started, at most 120 s a test
+test-fast: setup redis-server
+	ops/scripts/with-redis.sh $(PY) -m pytest -q -m "not slow" --timeout 120 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/train.py --quick

@@ -1,7 +1,16 @@
 """Shared fixtures. The real SmolLM2 target is loaded at most once per session, and only by
-tests that ask for it (those are marked ``slow``)."""
+tests that ask for it; those, and every test that starts Ray, are marked ``slow`` here (`make test-fast`
+leaves them out; `make test` runs them)."""
 
 import pytest
+
+SLOW_FIXTURES = ("smollm2", "smollm2_tokenizer", "ray_session")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
