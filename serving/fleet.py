@@ -1,7 +1,7 @@
 """GatewayFleet: the gateway's replicas as the policy sees them (the `Fleet` of policies/fleet.py).
 
 Owns: swapping every replica (all or nothing: replicas that took a version another one refused are
-swapped back), the canary, and the live per-head samples of finished requests (`RequestSample`) the gates read.
+swapped back; SGLang replicas one at a time, each drained and rejoining when it serves again), the canary, and the live per-head samples of finished requests (`RequestSample`) the gates read.
 Must not touch: decisions (policies/ decides what to promote), HTTP, decoding.
 
 Two kinds of canary. With 2 or more replicas, some replicas swap to the candidate and the router
@@ -54,14 +54,20 @@ class LiveSamples:
 class GatewayFleet:
     """Satisfies policies.fleet.Fleet: swap, serving_versions, set_canary, live_samples."""
 
-    def __init__(self, router: Router, samples: LiveSamples, call_timeout_s: float = 120.0) -> None:
+    def __init__(self, router: Router, samples: LiveSamples, call_timeout_s: float = 120.0, *,
+                 rolling: bool = False) -> None:
+        """rolling: swap one replica at a time, each drained first and routed nothing until it serves again
+        (SGLang replicas: a swap holds SGLang's weight-update lock, or restarts the server); the others keep
+        serving meanwhile. Otherwise every replica swaps at once (the reference engine swaps under load)."""
         self.router, self.samples, self.call_timeout_s = router, samples, call_timeout_s
+        self.rolling = rolling
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the gateway's loop (set when it starts)
         self._swap_lock = asyncio.Lock()
 
     # ---- the policy's interface (any thread but the gateway's loop) ---------------------------------
     def swap(self, version: str) -> list[SwapResult]:
-        return self._call(self.aswap(version))
+        # a rolling swap takes one replica's swap (a restart, at worst) per replica
+        return self._call(self.aswap(version), len(self.router.slots) if self.rolling else 1)
 
     def serving_versions(self) -> list[str]:
         """Each replica's confirmed version, in replica order ("none": plain decoding)."""
@@ -74,7 +80,7 @@ class GatewayFleet:
         """Finished requests that decoded with `version` and finished at or after `since` (unix s)."""
         return self.samples.get(version, since)
 
-    def _call(self, coro):
+    def _call(self, coro, calls: int = 1):
         if self.loop is None:
             coro.close()
             raise RuntimeError("the gateway is not running (its event loop is not known yet)")
@@ -85,7 +91,7 @@ class GatewayFleet:
         if running is self.loop:
             coro.close()
             raise RuntimeError("called on the gateway's own event loop: await aswap/aset_canary instead")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.call_timeout_s)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.call_timeout_s * calls)
 
     # ---- async implementations -------------------------------------------------------------------
     @property
@@ -96,19 +102,41 @@ class GatewayFleet:
         versions = versions or [s.version for s in self.router.slots]
         return max(sorted(set(versions)), key=versions.count)
 
+    async def _swap_one(self, slot: Slot, version: str) -> SwapResult:
+        """One replica's swap; rolling: drained first (the router waits for its request in flight and routes it
+        nothing more: `Router.hold`), rejoining when the swap returns."""
+        if not self.rolling or len(self.router.slots) < 2:
+            return await slot.replica.swap_head(version)
+        async with self.router.hold(slot):
+            return await slot.replica.swap_head(version)
+
     async def _swap_slots(self, slots: list[Slot], version: str) -> list[SwapResult]:
-        """Swap `slots` to `version`; if any refuses, swap the others back (all or nothing)."""
+        """Swap `slots` to `version` (all at once, or rolling); if any refuses, swap the others back (all or
+        nothing). A rolling swap stops at the first refusal: the replicas after it were never touched."""
         before = [s.version for s in slots]
-        results = list(await asyncio.gather(*(s.replica.swap_head(version) for s in slots)))
-        for s, r in zip(slots, results):
-            if r.ok:
-                self.router.set_version(s.replica, r.version)
-        refused = [s.replica.name for s, r in zip(slots, results) if not r.ok]
+        if self.rolling:  # one at a time, the others serving meanwhile; the first refusal stops the roll
+            results: list[SwapResult] = []
+            for s in slots:
+                results.append(await self._swap_one(s, version))
+                if results[-1].ok:
+                    self.router.set_version(s.replica, results[-1].version)
+                else:
+                    break
+            tried = len(results)
+            results += [SwapResult(False, f"not swapped: {slots[tried - 1].replica.name} refused {version} first "
+                                          "(rolling swap)", s.version) for s in slots[tried:]]
+        else:
+            tried = len(slots)
+            results = list(await asyncio.gather(*(self._swap_one(s, version) for s in slots)))
+            for s, r in zip(slots, results):
+                if r.ok:
+                    self.router.set_version(s.replica, r.version)
+        refused = [s.replica.name for s, r in zip(slots[:tried], results) if not r.ok]
         if not refused:
             return results
         for s, r, old in zip(slots, results, before):
             if r.ok and old != version:
-                back = await s.replica.swap_head(old)
+                back = await self._swap_one(s, old)
                 self.router.set_version(s.replica, back.version if back.ok else r.version)
         why = f"; swapped back to the previous head because {', '.join(refused)} refused {version}"
         return [replace(r, ok=False, message=r.message + why) if r.ok else r for r in results]

@@ -105,7 +105,7 @@ class Gateway:
         versions = [r.server.head_version if isinstance(r, LocalReplica) else "none" for r in reps]
         self.router = Router(reps, versions, config.queue_size, config.request_timeout_s, rng)
         self.samples = LiveSamples(config.live_samples_max)
-        self.fleet = GatewayFleet(self.router, self.samples)
+        self.fleet = GatewayFleet(self.router, self.samples, rolling=config.backend == "sglang")
         self.metrics = GatewayMetrics()
         self._silent: set[str] = set()  # replicas whose last status call failed
 

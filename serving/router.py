@@ -161,6 +161,20 @@ class Router:
         return others
 
     @asynccontextmanager
+    async def hold(self, slot: Slot) -> AsyncIterator[Slot]:
+        """Drain `slot` and keep it: wait for its request in flight (no deadline: a swap waits as long as the
+        request takes), mark it busy so nothing more is routed to it, release it afterwards. The others serve."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not slot.busy)
+            slot.busy = True
+        try:
+            yield slot
+        finally:
+            async with self._cond:
+                slot.busy = False
+                self._cond.notify_all()
+
+    @asynccontextmanager
     async def lease(self, head: Optional[str] = None, avoid: Optional[Replica] = None) -> AsyncIterator[Slot]:
         """A free replica for one request (waiting in the bounded queue if none is free); never `avoid`."""
         eligible = self._pool(head)

@@ -47,3 +47,54 @@ def test_a_restarted_canary_replica_is_swapped_back_and_a_refusing_one_is_routed
         assert a.swaps == []  # a replica that is in sync is never touched
 
     asyncio.run(scenario())
+
+
+class SlowReplica(Replica):
+    """A stand-in replica (test code) whose swap takes a while, like an SGLang restart; it records what else was
+    swapping when it started, and the requests routed to it."""
+
+    swapping: set = set()
+
+    def __init__(self, name, head, known=("v1", "cand")):
+        super().__init__(name, head, known)
+        self.overlapped = []
+
+    async def swap_head(self, version: str) -> SwapResult:
+        self.overlapped.append(set(SlowReplica.swapping))
+        SlowReplica.swapping.add(self.name)
+        await asyncio.sleep(0.05)
+        SlowReplica.swapping.discard(self.name)
+        return await super().swap_head(version)
+
+
+def test_sglang_replicas_swap_one_at_a_time_drained_while_the_others_serve():
+    """rolling=True (the gateway sets it for SGLang replicas): each replica is drained (its request in flight
+    finishes, nothing new is routed to it) and swapped alone; requests keep going to the replicas not swapping;
+    the first refusal stops the roll and the replicas already swapped go back."""
+    async def scenario():
+        SlowReplica.swapping = set()
+        reps = [SlowReplica(n, "v1") for n in "abc"]
+        router = Router(reps, ["v1"] * 3, queue_size=8, wait_timeout_s=10.0)
+        fleet = GatewayFleet(router, LiveSamples(), rolling=True)
+        served = []
+
+        async def traffic():
+            for _ in range(40):
+                async with router.lease() as slot:
+                    served.append((slot.replica.name, set(SlowReplica.swapping)))
+                    await asyncio.sleep(0.005)
+
+        results, _ = await asyncio.gather(fleet.aswap("cand"), traffic())
+        assert all(r.ok for r in results) and [s.version for s in router.slots] == ["cand"] * 3
+        assert all(r.overlapped == [set()] for r in reps)  # never two swapping at once
+        assert all(name not in swapping for name, swapping in served)  # no request on a replica while it swaps
+        for r in reps:
+            r.known = {"v1", "cand", "v2"}
+        reps[1].known = {"v1", "cand"}  # b cannot load the next version
+        results = await fleet.aswap("v2")
+        assert [r.ok for r in results] == [False, False, False]
+        assert "swapped back" in results[0].message and "v2 is not in the registry" in results[1].message
+        assert "not swapped" in results[2].message and reps[2].swaps[-1] == "cand"  # c never touched
+        assert [s.version for s in router.slots] == ["cand"] * 3 and reps[0].swaps[-2:] == ["v2", "cand"]
+
+    asyncio.run(scenario())
