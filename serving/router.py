@@ -167,6 +167,12 @@ class Router:
         async with self._cond:
             await self._cond.wait_for(lambda: not slot.busy)
             slot.busy = True
+        async with self._holding(slot):
+            yield slot
+
+    @asynccontextmanager
+    async def _holding(self, slot: Slot) -> AsyncIterator[Slot]:
+        """`slot` is taken (busy): yield it, then free it and wake the waiting requests."""
         try:
             yield slot
         finally:
@@ -205,9 +211,5 @@ class Router:
                 finally:
                     self.waiting -= 1
             slot.busy = True
-        try:
+        async with self._holding(slot):
             yield slot
-        finally:
-            async with self._cond:
-                slot.busy = False
-                self._cond.notify_all()

@@ -57,6 +57,8 @@ def test_every_shipped_config_passes_the_check(tmp_path, monkeypatch):
                                                         "canary_min_requests": 500}},
      None),  # all reachable
     ({"trainer": {"heldout_per_domain": 250}, "policy": {"min_samples": 240, "min_domain_samples": 240}}, None),
+    ({"trainer": {"candidate_evidence_records": 50}}, ("trainer.candidate_evidence_records", "policy.min_samples")),
+    ({"trainer": {"candidate_evidence_records": 50, "evidence": "heldout"}}, None),  # unused by held-out evidence
     ({"policy": {"canary_min_requests": 30_000, "canary_max_requests": 30_000}},
      ("policy.canary_min_requests", "serving.live_samples_max")),
     ({"policy": {"rollback_window": 500}, "serving": {"live_samples_max": 400}},
