@@ -157,6 +157,7 @@ def test_bad_inputs_are_refused():
         SpeculativeEngine(other, head)
 
 
+@pytest.mark.slow
 def test_sampling_keeps_the_target_distribution():
     """Marginals of the 2nd and 3rd sampled tokens (both emitted through tree verification) match
     the target's exact marginals (enumerated), chi-square p > 1e-3 on 1,500 draws; a row offset or

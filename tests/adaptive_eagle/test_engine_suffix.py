@@ -1,6 +1,7 @@
 """Cross-request suffix drafting in the engine: lossless (greedy and sampling), it pays on repeated
 outputs, and tenants stay apart when the index isolates them."""
 
+import pytest
 import torch
 
 from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
@@ -55,6 +56,7 @@ def test_a_request_that_opts_out_never_feeds_the_index():
     assert engine.suffix_index.documents == 1
 
 
+@pytest.mark.slow
 def test_sampling_with_suffix_drafts_keeps_the_target_distribution():
     """Marginals of the 2nd and 3rd sampled tokens, drawn with only suffix-index drafts (plain target,
     no head), match the target's exact marginals (chi-square p > 1e-3 on 1,500 draws)."""

@@ -18,6 +18,8 @@ import yaml
 from bench.chaos import (ChaosError, Prometheus, RedisTLS, parse_duration, promtool_check, scale_duration,
                          scale_rules, write_scaled_rules)
 
+pytestmark = pytest.mark.slow  # real redis-servers and Prometheus under injected faults (the rehearsal's tools)
+
 ALERTS = Path(__file__).resolve().parents[2] / "ops" / "alerts.yml"
 DEADLINE_S = 20.0  # generous: a verdict never depends on how fast this machine is
 needs_prometheus = pytest.mark.skipif(

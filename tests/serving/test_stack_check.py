@@ -137,6 +137,7 @@ def test_a_stack_refuses_to_start_before_creating_anything(tmp_path):
     assert not (tmp_path / "state").exists()
 
 
+@pytest.mark.slow
 def test_under_the_stack_defaults_the_trainer_itself_writes_a_candidate_the_gate_can_judge(tmp_path):
     """The default evidence (test-then-train, the evidence cap derived from the policy's offline_max_samples) at
     the policy's smallest min_samples (20), with the trainer's cadence scaled to a test's minute. The trainer's own
