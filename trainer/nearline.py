@@ -1,9 +1,11 @@
 """The near-line trainer: continually fine-tunes a copy of the champion head on captured traffic.
 
-Owns: the loop as named steps — poll the store → route (held out for replay, or fresh) → pack a
-batch (fresh rows + replayed earlier traffic) → one `train_step` → checkpoint → ack → candidate
-(acceptance replay of candidate and champion on the same held-out records, written to the
-registry) — plus resuming from its checkpoint after a crash, following a champion change, the
+Owns: the loop as named steps — poll the store → route (fresh, or held out with evidence "heldout") →
+test (evidence "prequential": the records of the next batch replayed by the champion and the snapshots
+gathering evidence, trainer/prequential.py) → pack a batch (fresh rows + replayed earlier traffic) →
+one `train_step` → checkpoint → ack → candidate (a snapshot that gathers evidence from then on; or,
+held out, the acceptance replay of candidate and champion on the same held-out records), written to
+the registry — plus resuming from its checkpoint after a crash, following a champion change, the
 drift signal, and a status for the gateway and the demo. Must not touch: serving, promotion (the
 policy decides what serves; the trainer only proposes).
 
