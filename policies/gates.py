@@ -321,7 +321,10 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
                                 f"(e-value {ev['e_losses']:.1f} >= {1 / alpha:.0f}).", ev)
     closing = final or n >= config.offline_max_samples
     why_closed = "the evidence closed" if final else f"{config.offline_max_samples} paired records"
-    if n < config.min_samples and not final:
+    if n < config.min_samples:
+        if final:
+            return Decision(REJECT, f"the evidence closed with {n} paired records, fewer than the "
+                                    f"{config.min_samples} a promotion needs ({record}).", ev)
         return Decision(CONTINUE, f"need {config.min_samples} paired records, have {n} ({record}).", ev)
     if m_wins < bar:
         if closing:

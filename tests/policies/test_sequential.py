@@ -247,6 +247,8 @@ def test_the_sequential_offline_gate_agrees_with_the_path_rejects_a_worse_head_e
     assert at.evidence["gate"] == "offline_sequential" and at.evidence["e_wins"] >= 20 and "tail records won" in \
         at.reason
     assert sequential_offline_gate(samples(a[:10], "v1"), samples(b[:10], "v2"), cfg).action == CONTINUE  # < 20
+    short = sequential_offline_gate(samples(a[:10], "v1"), samples(b[:10], "v2"), cfg, final=True)
+    assert short.action == REJECT and "fewer than the 20" in short.reason  # closed early: never promoted
     a, w = paired(rng, 300, 0.9)
     worse = sequential_offline_gate(samples(a, "v1"), samples(w, "v2"), cfg)
     assert worse.action == REJECT and worse.reason.startswith("worse on the tail")
