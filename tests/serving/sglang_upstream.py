@@ -193,17 +193,28 @@ class Upstream:
         raise LookupError(f"{module}: no field {field}")
 
     @cached_property
+    def payload_loader(self) -> ast.ClassDef:
+        """The class of srt/utils/common.py that restricts what an update payload may name: the one with an
+        ALLOWED_GLOBALS allow-list and a find_class of its own (its source read, never run)."""
+        for cls in self._classes("srt/utils/common.py").values():
+            names = {getattr(n.targets[0], "id", "") for n in cls.body if isinstance(n, ast.Assign)}
+            methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+            if "ALLOWED_GLOBALS" in names and "find_class" in methods:
+                return cls
+        raise LookupError("srt/utils/common.py: no class with ALLOWED_GLOBALS and find_class")
+
+    @cached_property
     def unpickle_allowed(self) -> set[tuple[str, str]]:
-        """SafeUnpickler.ALLOWED_GLOBALS (srt/utils/common.py): what an update payload's pickle may name."""
-        cls = self._classes("srt/utils/common.py")["SafeUnpickler"]
-        for n in cls.body:
+        """The payload loader's ALLOWED_GLOBALS: the (module, name) pairs an update payload may name."""
+        for n in self.payload_loader.body:
             if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "ALLOWED_GLOBALS":
                 return set(_literal(n.value))
-        raise LookupError("SafeUnpickler.ALLOWED_GLOBALS")
+        raise LookupError(f"{self.payload_loader.name}.ALLOWED_GLOBALS")
 
     @cached_property
     def unpickle_redirected(self) -> set[tuple[str, str]]:
-        """(module, name) pairs SafeUnpickler.find_class maps to a function of its own before the allow-list."""
-        fn = self.function("srt/utils/common.py", "find_class", cls="SafeUnpickler")
+        """(module, name) pairs the payload loader's find_class maps to a function of its own before the
+        allow-list."""
+        fn = self.function("srt/utils/common.py", "find_class", cls=self.payload_loader.name)
         return {_literal(c.comparators[0]) for c in ast.walk(fn)
                 if isinstance(c, ast.Compare) and isinstance(c.ops[0], ast.Eq) and isinstance(c.left, ast.Tuple)}
