@@ -63,6 +63,7 @@ from adaptive_eagle.checkpoint import (
     utc_now_iso,
 )
 from adaptive_eagle.draft_head import Eagle3DraftHead
+from adaptive_eagle.evidence import EVIDENCE_DIR
 from adaptive_eagle.targets import Target
 
 PLAIN = "none"  # the champion that means plain decoding (no head)
@@ -70,7 +71,7 @@ CHAMPION_FILE, PINNED_FILE, BLOCKED_FILE, LOCK_FILE = "champion.json", "pinned.j
 CONTROL_FILES = (CHAMPION_FILE, PINNED_FILE, BLOCKED_FILE)
 REGISTRY_FORMAT = 1
 VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-_RESERVED = {PLAIN, *CONTROL_FILES, "evidence"}  # evidence/: adaptive_eagle.evidence
+_RESERVED = {PLAIN, *CONTROL_FILES, EVIDENCE_DIR}  # candidates' test-then-train evidence (adaptive_eagle.evidence)
 
 
 class RegistryError(ValueError):

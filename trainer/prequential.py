@@ -22,7 +22,8 @@ from typing import Sequence
 import numpy as np
 
 from adaptive_eagle.draft_head import Eagle3DraftHead
-from adaptive_eagle.evidence import CandidateEvidence, EvidenceError, evidence_path, read_evidence, write_evidence
+from adaptive_eagle.evidence import (EVIDENCE_DIR, CandidateEvidence, EvidenceError, evidence_path, read_evidence,
+                                     write_evidence)
 from adaptive_eagle.targets import Target
 from adaptive_eagle.trace import TraceRecord
 from trainer.replay import TreeParams, replay_heads, replay_ready
@@ -51,10 +52,11 @@ class EvidenceBook:
 
     # ---- snapshots ------------------------------------------------------------------------------------
     def add(self, version: str, head: Eagle3DraftHead, champion: str, recipe: dict) -> None:
-        """Start gathering evidence for a snapshot just registered; the oldest open one closes beyond
-        max_pending (its evidence stays for the policy to decide on)."""
+        """Start gathering evidence for a snapshot just registered (`head` is handed over: made ready for replay
+        in place); the oldest open one closes beyond max_pending (its evidence stays for the policy to decide
+        on)."""
         ev = CandidateEvidence(version=version, champion=champion, recipe={"tree": self.tree.__dict__, **recipe})
-        self.open.append(Snapshot(version, replay_ready(head), ev))
+        self.open.append(Snapshot(version, replay_ready(head, adopt=True), ev))
         while len(self.open) > self.max_pending:
             self._close(self.open[0], f"superseded: {self.max_pending} newer snapshots gather evidence")
         write_evidence(self.root, ev)
@@ -75,7 +77,7 @@ class EvidenceBook:
         (the policy refuses it with the reason)."""
         mine = {s.version for s in self.open}
         closed = 0
-        for path in sorted((self.root / "evidence").glob("*.json")) if (self.root / "evidence").is_dir() else ():
+        for path in sorted((self.root / EVIDENCE_DIR).glob("*.json")):
             version = path.stem
             if version in mine:
                 continue

@@ -84,17 +84,18 @@ def accepted_along(tree: DraftTree, continuation: Sequence[int]) -> int:
     return depth
 
 
-def replay_ready(head: Eagle3DraftHead) -> Eagle3DraftHead:
+def replay_ready(head: Eagle3DraftHead, *, adopt: bool = False) -> Eagle3DraftHead:
     """A copy of `head` made for replay (eval, no gradients); on a CPU with FBGEMM its linears are fp16-packed
     (adaptive_eagle.cpu_linear), as a reference server on such a CPU runs them: 0.28 s instead of 1.14 s for a
     96-token record on a 2-core AMD EPYC, the same accepted counts. Registry heads are bf16, which fp16 holds
     exactly in its normal range; activations and sums stay fp32. Other dtypes and devices are only copied. A head
-    already made ready is returned as is."""
+    already made ready is returned as is. adopt: the caller hands `head` over, and it is made ready in place
+    instead of copied."""
     if getattr(head, "replay_ready", False):
         return head
     from adaptive_eagle.cpu_linear import fbgemm_fp16_available, pack_linears
 
-    ready = copy.deepcopy(head).requires_grad_(False).eval()
+    ready = (head if adopt else copy.deepcopy(head)).requires_grad_(False).eval()
     p = next(ready.parameters())
     if p.device.type == "cpu" and p.dtype == torch.float32 and fbgemm_fp16_available():  # float64: kept exact
         pack_linears(ready)
