@@ -13,7 +13,9 @@ record`, the trained tokens a record bought in the demo's run on 2 CPU cores) an
                written (from 20 held-out records on) and judged once by the bootstrap offline gate;
   prequential  nothing is held out; every record is replayed by the champion and the open snapshots before
                it is trained on, and the sequential offline gate judges each snapshot's evidence after every
-               record, as the policy's candidate feed does.
+               record.
+After every record the stack's own candidate feed (serving/candidates.py) reads what the trainer wrote and
+hands it to the gates, as it does for the policy.
 The policy is the demo's (tail: mean accept length of the lowest 25%, level 90%, 20 records minimum). No
 canary runs: a pass here is what would start one.
 
@@ -25,6 +27,7 @@ line: per mode the candidates written, the gate's decisions, the first pass (`fi
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -35,14 +38,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from adaptive_eagle.cli import SHIPPED_HEAD  # noqa: E402
-from adaptive_eagle.evidence import read_evidence  # noqa: E402
 from adaptive_eagle.registry import HeadRegistry  # noqa: E402
 from adaptive_eagle.targets import load_target  # noqa: E402
 from feature_store.config import StoreConfig  # noqa: E402
 from feature_store.reader import RecordFilter  # noqa: E402
 from feature_store.writer import write_records  # noqa: E402
 from policies.gates import CONTINUE, PROMOTE, offline_gate, sequential_offline_gate  # noqa: E402
-from serving.candidates import evidence_samples, replay_samples  # noqa: E402
+from serving.candidates import CandidateFeed  # noqa: E402
 from trainer.config import NearlineConfig  # noqa: E402
 from trainer.evaluate import stored_records  # noqa: E402
 from trainer.nearline import NearlineTrainer  # noqa: E402
@@ -54,6 +56,24 @@ def demo_policy():
 
     with tempfile.TemporaryDirectory() as d:
         return demo_stack_config(DemoConfig.make(), d).policy.gates()
+
+
+class GateOnly:
+    """The two calls the stack's candidate feed makes of the policy, answered by the gates alone: always idle,
+    no canary (a pass here is what would start one). Keeps each decision's reason."""
+
+    def __init__(self, config) -> None:
+        self.config, self.reasons = config, {}
+
+    async def status(self) -> dict:
+        return {"state": "idle"}
+
+    async def consider(self, version, champion, candidate, exact_replay=False, sequential=False, final=False):
+        d = (sequential_offline_gate(champion, candidate, self.config, final=final) if sequential
+             else offline_gate(champion, candidate, self.config))
+        if d.action != CONTINUE:
+            self.reasons[version] = d.reason
+        return d
 
 
 def run_mode(mode: str, records: list, target, head_dir: Path, work: Path, drift_at: float, args, policy,
@@ -71,16 +91,9 @@ def run_mode(mode: str, records: list, target, head_dir: Path, work: Path, drift
                          max_pending_candidates=2, candidate_evidence_records=policy.offline_max_samples)
     tr = NearlineTrainer(cfg, target=target)
     tr.start()
-    budget, decided, decisions, looked = 0.0, set(), [], {}
+    feed, gate = CandidateFeed(reg), GateOnly(policy)  # the stack's feed: what it reads, when it looks
+    budget, decisions = 0.0, []
     t0 = time.perf_counter()
-
-    def decide(version: str, d, i: int, rec) -> None:
-        decided.add(version)
-        after = round(rec.created_at - drift_at, 1)
-        decisions.append({"candidate": version, "action": d.action, "record": i, "after_drift_s": after,
-                          "reason": d.reason})
-        log(f"  [{mode}] record {i} ({after:+.0f} s from the drift): {version} {d.action}: {d.reason[:150]}")
-
     for i, rec in enumerate(records):
         write_records(store, [rec])
         tr.poll()
@@ -91,22 +104,14 @@ def run_mode(mode: str, records: list, target, head_dir: Path, work: Path, drift
             budget -= tr.last_batch["tokens"]
         budget = min(budget, 0.0) if tr.ready() is None else budget  # idle time is not banked
         if tr.candidate_due():
-            name = tr.write_candidate()
-            if mode == "heldout":
-                champ, cand = replay_samples(tr.registry.version(name).metrics, name)
-                decide(name, offline_gate(champ, cand, policy), i, rec)
-        if mode == "prequential":
-            for v in tr.registry.versions():
-                if v.version in decided or v.version == champion:
-                    continue
-                ev = read_evidence(reg.root, v.version)
-                if ev is None or looked.get(v.version) == (len(ev.rows), ev.open):
-                    continue
-                looked[v.version] = (len(ev.rows), ev.open)
-                champ, cand = evidence_samples(ev)
-                d = sequential_offline_gate(champ, cand, policy, final=not ev.open)
-                if d.action != CONTINUE:
-                    decide(v.version, d, i, rec)
+            tr.write_candidate()
+        seen = len(feed.considered)
+        asyncio.run(feed.step(gate))
+        for version, action in feed.considered[seen:]:
+            after = round(rec.created_at - drift_at, 1)
+            decisions.append({"candidate": version, "action": action, "record": i, "after_drift_s": after})
+            log(f"  [{mode}] record {i} ({after:+.0f} s from the drift): {version} {action}: "
+                f"{gate.reasons.get(version, '')[:150]}")
     passes = [d for d in decisions if d["action"] == PROMOTE]
     first = passes[0] if passes else None
     out = {"candidates": len(tr.counters["candidates"]), "records_trained": tr.counters["records_trained"],
