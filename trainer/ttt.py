@@ -14,6 +14,12 @@ Attention pattern (exactly what drafting at inference sees): at step j the query
 attends to the step-0 keys of positions s <= t (the real prefix) and to its own chain, the keys
 of steps 1..j at position t (the diagonal). Scores are a [T, T] causal block plus j diagonal
 columns, so a step costs O(T^2), not O((jT)^2) as when the unrolled sequence is materialised.
+
+Memory (long records). With `attention_chunk` (the default) the prefix is attended one key block at a
+time with a running log-sum-exp and the chain's diagonal keys are merged in exactly
+(trainer/long_attention.py), so no [T, T] score matrix is ever kept: peak memory grows linearly with T
+and rows up to the target's context length train on one worker. `attention_chunk=None` keeps the
+dense scores (the reference the chunked path is tested equal to, in float64: loss and gradients).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from adaptive_eagle.draft_head import Eagle3DraftHead, repeat_kv
+from trainer.long_attention import DEFAULT_CHUNK, block_attention, dense_partial, merge
 
 DEFAULT_TTT_STEPS = 7
 DEFAULT_STEP_DECAY = 0.8
@@ -84,6 +91,9 @@ class TTTOutput:
     step_count: list[int]  # [steps] valid positions per step
     step_accept: list[int]  # [steps] chains (one per start position) accepted through step j
     step_eligible: list[int]  # [steps] chains accepted through j-1 whose step j can be scored
+    row_position: torch.Tensor | None = None  # [N] context position of each chain row (its start t)
+    row_eligible: torch.Tensor | None = None  # [steps, N] bool: row's chain accepted through j-1, step j scorable
+    row_accepted: torch.Tensor | None = None  # [steps, N] bool: row's chain accepted through step j
 
 
 def step_valid_mask(loss_mask: torch.Tensor, lengths: torch.Tensor, j: int) -> torch.Tensor:
@@ -109,8 +119,9 @@ class TTTAttention:
     """The TTT attention pattern: step 0 runs over every position (causal); later steps run only
     for the chain rows, each attending to the step-0 keys of its own prefix plus its own chain."""
 
-    def __init__(self, row_batch: torch.Tensor, row_pos: torch.Tensor) -> None:
+    def __init__(self, row_batch: torch.Tensor, row_pos: torch.Tensor, chunk: int | None = None) -> None:
         self.row_batch, self.row_pos = row_batch, row_pos  # [N] batch index and position of each chain row
+        self.chunk = chunk  # None: dense scores ([T, T] a step); an int: key blocks merged by log-sum-exp
         self.k0 = self.v0 = None  # [B, kv_heads, T, d]
         self.diag_k: list[torch.Tensor] = []  # each [1, kv_heads, N, d]
         self.diag_v: list[torch.Tensor] = []
@@ -119,6 +130,10 @@ class TTTAttention:
         n_rep = q.shape[1] // k.shape[1]
         if self.k0 is None:  # step 0: [B, h, T, d]
             self.k0, self.v0 = k, v
+            if self.chunk is not None:
+                pos = torch.arange(q.shape[2], device=q.device)
+                return torch.stack([block_attention(q[b], k[b], v[b], pos, pos, self.chunk)[0]
+                                    for b in range(q.shape[0])])
             return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True)
         # steps >= 1: q [1, h, N, d], one row per chain
         self.diag_k.append(k)
@@ -137,11 +152,17 @@ class TTTAttention:
                 continue
             sl = slice(start, start + n)
             start += n
+            if self.chunk is not None:  # prefix in key blocks, the chain dense, merged exactly
+                prefix = block_attention(qr[:, sl], self.k0[b], self.v0[b], self.row_pos[sl],
+                                         torch.arange(t, device=q.device), self.chunk)
+                outs.append(merge(*prefix, *dense_partial(diag[:, sl], dv[:, sl]))[0])
+                continue
             k0, v0 = repeat_kv(self.k0[b : b + 1], n_rep)[0], repeat_kv(self.v0[b : b + 1], n_rep)[0]  # [h, T, d]
             prefix = torch.matmul(qr[:, sl], k0.transpose(-1, -2)) * scale  # [h, n, T]
             hidden = torch.arange(t, device=q.device)[None, :] > self.row_pos[sl][:, None]  # [n, T]
             prefix = prefix.masked_fill(hidden, float("-inf"))
-            probs = torch.softmax(torch.cat([prefix, diag[:, sl]], dim=-1).float(), dim=-1).to(q.dtype)
+            stats_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            probs = torch.softmax(torch.cat([prefix, diag[:, sl]], dim=-1).to(stats_dtype), dim=-1).to(q.dtype)
             outs.append(torch.matmul(probs[..., :t], v0) + (probs[..., t:].unsqueeze(-1) * dv[:, sl]).sum(-2))
         return torch.cat(outs, dim=1)[None]  # [1, h, N, d]
 
@@ -165,6 +186,7 @@ def ttt_loss(
     decay: float = DEFAULT_STEP_DECAY,
     max_loss_rows: int | None = None,
     generator: torch.Generator | None = None,
+    attention_chunk: int | None = DEFAULT_CHUNK,
 ) -> TTTOutput:
     """Unrolled TTT loss over `steps` steps (see the module docstring).
 
@@ -178,11 +200,13 @@ def ttt_loss(
     valid = [step_valid_mask(batch.loss_mask, batch.lengths, j) for j in range(steps)]
     sel = chain_rows(valid, max_loss_rows, generator)  # [B, T]
     rows = sel.nonzero()  # [N, 2] sorted by (batch, position)
-    attend = TTTAttention(rows[:, 0], rows[:, 1])
+    attend = TTTAttention(rows[:, 0], rows[:, 1], attention_chunk)
     positions = torch.arange(t, device=dev)[None].expand(b, t)
     total = batch.aux.new_zeros((), dtype=torch.float32)
     step_loss, step_correct, step_count, step_accept, step_eligible = [], [], [], [], []
     alive = torch.ones(rows.shape[0], dtype=torch.bool, device=dev)  # chain accepted so far
+    row_eligible = torch.zeros(steps, rows.shape[0], dtype=torch.bool, device=dev)
+    row_accepted = torch.zeros_like(row_eligible)
     d2t_ids = head.draft_to_target
     hidden = None
     for j in range(steps):
@@ -214,13 +238,16 @@ def ttt_loss(
                 hit = pred == tgt_p.argmax(-1)
             hit_rows = torch.zeros_like(valid_rows)
             hit_rows[valid_rows] = hit
-            step_eligible.append(int((alive & valid_rows).sum()))
+            row_eligible[j] = alive & valid_rows
+            step_eligible.append(int(row_eligible[j].sum()))
             alive = alive & valid_rows & hit_rows
+            row_accepted[j] = alive
             step_loss.append(float(ce))
             step_correct.append(int(hit.sum()))
             step_count.append(n)
             step_accept.append(int(alive.sum()))
-    return TTTOutput(total, step_loss, step_correct, step_count, step_accept, step_eligible)
+    return TTTOutput(total, step_loss, step_correct, step_count, step_accept, step_eligible, rows[:, 1],
+                     row_eligible, row_accepted)
 
 
 def acceptance_summary(correct, count, accept, eligible) -> dict:
