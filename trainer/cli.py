@@ -11,6 +11,9 @@ import typer
 
 from adaptive_eagle.cli import SHIPPED_HEAD, fail
 
+MIN_LEN, MAX_LEN = 16, 32768  # trainer.offline.TrainHeadConfig.max_len's range
+DEFAULT_BUCKETS = "0,512,1024,2048,4096,8192"  # trainer.positions.DEFAULT_EDGES (tested equal; torch-free here)
+
 trainer_app = typer.Typer(help="Train and evaluate draft heads offline.", add_completion=False)
 
 
@@ -77,7 +80,8 @@ def eval_head(
     domains: str = typer.Option("english,code,math", help="domains to evaluate (stored traffic: its domain tags; "
                                 "'all' for every tag)"),
     convs: int = typer.Option(48, help="held-out ShareGPT conversations per domain"),
-    max_len: int = typer.Option(1024, help="tokens per conversation"),
+    max_len: Optional[int] = typer.Option(None, help="tokens per conversation (default 1024); with --by-position "
+                                          "the length of each long session (default 8192, the target's context)"),
     update_meta: bool = typer.Option(False, help="write the results into head.json metrics"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     root: Optional[Path] = typer.Option(None, "--root", help="replay on this local feature store's traffic"),
@@ -90,27 +94,48 @@ def eval_head(
     depth: int = typer.Option(5, min=1, max=16, help="replay tree depth (serving default)"),
     topk: int = typer.Option(4, min=1, max=16, help="replay tree top-k"),
     draft_tokens: int = typer.Option(16, min=1, max=128, help="replay tree nodes"),
+    by_position: bool = typer.Option(False, "--by-position", help="slice acceptance by context position "
+                                     "(--buckets). ShareGPT: scores --sessions long held-out sessions per domain, "
+                                     "each consecutive held-out conversations chained into one chat of --max-len "
+                                     "tokens, every position; stored traffic: each verify step by where it starts"),
+    sessions: int = typer.Option(8, min=1, max=1000, help="long held-out sessions per domain with --by-position"),
+    buckets: Optional[str] = typer.Option(None, help="position bucket edges for --by-position, default "
+                                          f"{DEFAULT_BUCKETS} (0-512, 512-1k, 1-2k, 2-4k, 4-8k); buckets past "
+                                          "--max-len are omitted"),
 ) -> None:
     """Acceptance of a draft head: on stored traffic (--root/--store-config/--redis-url) by acceptance
     replay of the serving tree against what the target committed, or else on held-out ShareGPT domains
-    (per-position acceptance 0-α…6-α and expected chain accept length)."""
+    (per-position acceptance 0-α…6-α and expected chain accept length); --by-position slices either by
+    where in the context the draft is made."""
     from adaptive_eagle.checkpoint import HeadValidationError
 
+    from trainer.positions import parse_edges
+
+    try:
+        edges = parse_edges(buckets or DEFAULT_BUCKETS)
+    except ValueError as e:
+        fail(f"--buckets: {e}")
+    if max_len is not None and not MIN_LEN <= max_len <= MAX_LEN:
+        fail(f"--max-len {max_len}: allowed {MIN_LEN}..{MAX_LEN} tokens")
     if root is not None or store_config is not None or redis_url is not None:
         heads = [head] + [h.strip() for h in (against or "").split(",") if h.strip()]
         doms = None if domains.strip() == "all" else [d.strip() for d in domains.split(",")]
         _eval_on_store(heads, (store_config, root, redis_url), target, doms, window, records, registry,
-                       (depth, topk, draft_tokens), as_json)
+                       (depth, topk, draft_tokens), as_json, edges if by_position else None)
         return
     from trainer.train_head import run_eval_head
 
     if not (Path(head) / "head.json").exists():
         fail(f"{head}: not a head version directory (no head.json)")
+    length = max_len or (8192 if by_position else 1024)
     try:
-        res = run_eval_head(Path(head), target, [d.strip() for d in domains.split(",")], convs, max_len, update_meta,
-                            log=(lambda s: None) if as_json else typer.echo)
+        res = run_eval_head(Path(head), target, [d.strip() for d in domains.split(",")], convs, length, update_meta,
+                            log=(lambda s: None) if as_json else typer.echo, by_position=by_position,
+                            sessions=sessions, edges=edges)
     except HeadValidationError as e:
         fail(f"head refused: {e}")
+    except ValueError as e:
+        fail(str(e))
     if as_json:
         typer.echo(json.dumps(res))
 

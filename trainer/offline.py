@@ -22,6 +22,7 @@ from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.targets import Target
 from trainer.data import TokenizedExample
+from trainer.positions import PositionTally
 from trainer.state import read_state, restore_optimizer, write_state
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
 from trainer.ttt import TTTBatch, acceptance_summary, ttt_loss
@@ -129,30 +130,46 @@ def exact_batches(target: Target, head, examples, max_len: int, batch_tokens: in
 
 
 @torch.no_grad()
-def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7, bf16=True, cached=None) -> dict:
-    """Held-out acceptance with the target's exact full-vocab argmax. `cached`: reuse batches."""
+def evaluate(head, target, examples, *, max_len=1024, batch_tokens=4096, steps=7, bf16=True, cached=None,
+             edges: Sequence[int] | None = None) -> dict:
+    """Held-out acceptance with the target's exact full-vocab argmax. `cached`: reuse batches (else
+    each batch is built when it is scored, so long rows never pile up). `edges`: also slice it by
+    context position (trainer.positions), every chain row scored, under "by_position"."""
     head.eval()
     tot = {"correct": [0] * steps, "count": [0] * steps, "accept": [0] * steps, "eligible": [0] * steps}
+    tally = PositionTally(edges, steps) if edges is not None else None
     loss_sum, n_batches = 0.0, 0
-    batch_list = cached if cached is not None else exact_batches(target, head, examples, max_len, batch_tokens)
+    batch_list = cached if cached is not None else (
+        make_ttt_batch(target, head, exs, max_len, exact=True)
+        for _, exs in batches(examples, list(range(len(examples))), batch_tokens, max_len))
     for batch in batch_list:
         with torch.autocast(batch.aux.device.type, dtype=torch.bfloat16, enabled=bool(bf16)):
             out = ttt_loss(head, batch, steps=steps)
         for k, v in (("correct", out.step_correct), ("count", out.step_count), ("accept", out.step_accept),
                      ("eligible", out.step_eligible)):
             tot[k] = [a + b for a, b in zip(tot[k], v)]
+        if tally is not None:
+            tally.add(out.row_position, out.row_eligible, out.row_accepted)
         loss_sum += float(out.loss)
         n_batches += 1
     head.train()
     summary = acceptance_summary(tot["correct"], tot["count"], tot["accept"], tot["eligible"])
     summary["loss"] = loss_sum / max(1, n_batches)
+    if tally is not None:
+        summary["by_position"] = tally.summary(limit=max_len)
     return summary
 
 
 def rounded(summary: dict) -> dict:
     """An evaluation summary with floats (and lists of floats) rounded to 4 decimals, for head.json and logs."""
-    return {k: ([round(x, 4) for x in v] if isinstance(v, list) else (round(v, 4) if isinstance(v, float) else v))
-            for k, v in summary.items()}
+    def r(v):
+        if isinstance(v, float):
+            return round(v, 4)
+        if isinstance(v, list):
+            return [r(x) for x in v]
+        return {k: r(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    return r(summary)
 
 
 # ---- run state --------------------------------------------------------------------------------------

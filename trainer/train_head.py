@@ -16,6 +16,8 @@ import torch
 from adaptive_eagle.targets import Target, default_dtype, load_target
 from trainer import data as D
 from trainer.offline import RunState, TrainHeadConfig, evaluate, load_run_state, rounded, train_loop
+from trainer.positions import DEFAULT_EDGES
+from trainer.sessions import long_sessions
 from trainer.warm_start import build_draft_vocab, coverage_curve, new_head, size_for_coverage, token_counts, warm_start
 
 
@@ -116,27 +118,60 @@ def run_train_head(
 
 
 def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=("english", "code", "math"),
-                  n_convs: int = 48, max_len: int = 1024, update_meta: bool = False, log=print) -> dict:
+                  n_convs: int = 48, max_len: int = 1024, update_meta: bool = False, log=print, *,
+                  by_position: bool = False, sessions: int = 8, edges=DEFAULT_EDGES) -> dict:
     """Held-out per-position acceptance (0-α…6-α) and expected accept length per domain.
-    target: a loaded Target, a name/path, or None for the head's own target_name."""
+    target: a loaded Target, a name/path, or None for the head's own target_name.
+    by_position: score `sessions` long held-out sessions of exactly `max_len` tokens per domain
+    (trainer.sessions), every position, and slice the result by context position (`edges`)."""
     from adaptive_eagle import checkpoint as C
 
     if not isinstance(target, Target):
         cfg_json = json.loads((Path(head_dir) / "head.json").read_text())
         target = load_target(target or cfg_json.get("target_name") or "smollm2-135m", purpose="train")
+    context = getattr(target.config, "max_position_embeddings", None)
+    if by_position and context is not None and max_len > context:
+        raise ValueError(f"max_len {max_len}: above the target's context length ({context}); allowed 16..{context}")
     loaded = C.load_head(head_dir, target)
     head = loaded.head.float()
     cfg = TrainHeadConfig(target=target.name, max_len=max_len)
     bf16 = target.dtype == torch.bfloat16
     results = {}
+    source = list(D.load_sharegpt()) if by_position else None
     for d in domains:
-        exs = load_examples(cfg, target, "heldout", [d], limit=n_convs)
+        if by_position:
+            found = long_sessions(source, target.tokenizer, min_tokens=max_len, max_tokens=max_len, n=sessions,
+                                  split="heldout", domains=[d])
+            exs = [s.example for s in found]
+        else:
+            exs = load_examples(cfg, target, "heldout", [d], limit=n_convs)
         if not exs:
+            if by_position:
+                log(f"{d:8s} no held-out session reaches {max_len} tokens")
+            continue
+        if by_position:
+            res = evaluate(head, target, exs, max_len=max_len, batch_tokens=max_len, bf16=bf16, edges=edges)
+            results[d] = {**rounded(res), "sessions": len(exs), "session_tokens": max_len,
+                          "conversations": sum(len(s.sources) for s in found)}
+            log(position_table(d, results[d]))
             continue
         results[d] = rounded(evaluate(head, target, exs, max_len=max_len, bf16=bf16))
         results[d]["conversations"] = len(exs)
         log(f"{d:8s} alpha {' '.join(f'{a:.3f}' for a in results[d]['alpha'])}  "
             f"accept_length {results[d]['accept_length']:.3f}  ({len(exs)} conversations)")
     if update_meta:
-        C.update_metrics(head_dir, {"heldout_eval": results})
+        C.update_metrics(head_dir, {"heldout_by_position" if by_position else "heldout_eval": results})
     return results
+
+
+def position_table(domain: str, result: dict) -> str:
+    """A by-position result (evaluate(..., edges=...)) as a plain-text table."""
+    steps = len(result["alpha"])
+    lines = [f"{domain}: {result['sessions']} held-out sessions of {result['session_tokens']} tokens "
+             f"({result['conversations']} conversations chained)",
+             f"  {'bucket':8s} {'positions':>9s}  " + " ".join(f"{f'{j}-α':>5s}" for j in range(steps))
+             + "  accept length"]
+    for b in result["by_position"] + [{"bucket": "all", **result}]:
+        lines.append(f"  {b['bucket']:8s} {b['positions']:9d}  " + " ".join(f"{a:5.3f}" for a in b["alpha"])
+                     + f"  {b['accept_length']:.3f}")
+    return "\n".join(lines)
