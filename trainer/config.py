@@ -123,6 +123,11 @@ class NearlineConfig(BaseModel):
                          "Train worker group of this size (TorchTrainer, DDP: each worker builds and trains a shard "
                          "of every batch, gradients averaged), one GPU a worker when device is CUDA")
     worker_cpus: float = Field(1.0, gt=0, le=256, description="Ray CPUs (and torch threads) of each worker")
+    sequence_parallel: int = Field(1, ge=1, le=1024, description=(
+        "1: each worker trains whole rows (data parallel). N > 1: every row of a step is split by position over "
+        "the N workers (sequence parallel, trainer/seqpar.py: the keys and values pass round a ring, the loss and "
+        "gradient are exactly the one-process ones), for records too long to train on one worker; N must equal "
+        "workers, and the head must be dense (an MoE-routed champion is refused at its first step)"))
 
     @model_validator(mode="after")
     def _check(self) -> "NearlineConfig":
@@ -134,6 +139,10 @@ class NearlineConfig(BaseModel):
                              f"never score a candidate. Set heldout_per_domain >= {self.min_candidate_heldout}")
         if self.store_backoff_max_s < self.store_backoff_initial_s:
             raise ValueError("store_backoff_max_s must be >= store_backoff_initial_s")
+        if self.sequence_parallel > 1 and self.sequence_parallel != self.workers:
+            raise ValueError(f"sequence_parallel {self.sequence_parallel} must be 1 or equal workers "
+                             f"({self.workers}): each worker holds one position shard of every row (data and "
+                             "sequence parallel groups together are not supported)")
         if self.workers > 1 and self.moe_grow:
             raise ValueError("moe_grow needs workers 1: growing an expert changes the head's parameters mid-run, "
                              "which a data-parallel worker group cannot follow")

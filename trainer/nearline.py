@@ -455,11 +455,14 @@ class NearlineTrainer:
     def _step_data_parallel(self, rows: list[TrafficRow], step: int) -> tuple[StepStats, int, int]:
         """The step on the worker group (started at the first call; given the head whenever it changed)."""
         if self.data_parallel is None:
+            by_position = self.cfg.sequence_parallel > 1
             self.data_parallel = DataParallelStep(
                 self.cfg.workers, device=self.device.type, storage=self.work_dir / "ray-train",
                 target=self.target_spec or str(self.target.path), target_builder=self.worker_target,
-                cpus_per_worker=self.cfg.worker_cpus)
-            self._note(f"data-parallel step on {self.cfg.workers} Ray Train workers (DDP)")
+                cpus_per_worker=self.cfg.worker_cpus, split="positions" if by_position else "rows")
+            self._note(f"sequence-parallel step on {self.cfg.workers} Ray Train workers (rows split by position, "
+                       "ring attention)" if by_position else f"data-parallel step on {self.cfg.workers} Ray Train "
+                       "workers (DDP)")
         if not self._pushed:
             self.data_parallel.load(self.head, self.opt, self.cfg.lr, self.cfg.weight_decay)
             self._pushed = True

@@ -17,6 +17,12 @@ trainer actor restarts from its last checkpoint (records are acked only after a 
 in-process. A batch with fewer rows than workers gives the spare workers copies of rows: the average of
 identical gradients is that gradient, so one row trains as it would in-process.
 
+Sequence parallel (`split="positions"`, NearlineConfig.sequence_parallel): for records whose training does not
+fit one worker, every worker gets all of a step's rows and trains its contiguous position shard of every row
+(`trainer.seqpar.sequence_parallel_step`: the step-0 keys and values pass round a ring over the same process
+group, gloo or NCCL, and the workers' gradients are summed, not averaged: each holds a share of one batch's
+loss). No DDP wrapper; the same load/step/state protocol, and every worker reports the whole batch's statistics.
+
 Owns: the worker loop, the message protocol (per-rank inbox queues, one outbox), shard assignment,
 merging the workers' statistics. Must not touch: the store, checkpoints, candidates (nearline.py).
 """
@@ -33,11 +39,14 @@ import torch
 
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from trainer.state import head_from_weights, head_weights
+from trainer.seqpar import sequence_parallel_step
 from trainer.step import StepConfig, StepStats, adamw, set_lr, train_step
 from trainer.traffic import TrafficRow, make_traffic_batch
 from trainer.ttt import TTTBatch, ttt_loss
 
 log = logging.getLogger(__name__)
+
+SPLITS = ("rows", "positions")  # data parallel (whole rows a worker), sequence parallel (a position shard of every row)
 
 REPLY_TIMEOUT_S = 600.0  # a step on a loaded worker group; beyond this the coordinator gives up (and restarts)
 
@@ -99,6 +108,7 @@ def _worker_loop(config: dict) -> None:
 
     rank = ray.train.get_context().get_world_rank()
     inbox, outbox = config["inboxes"][rank], config["outbox"]
+    by_position = config["split"] == "positions"
     device = ray.train.torch.get_device()
     torch.set_num_threads(max(1, int(config["threads"])))
     if config["target_builder"] is not None:
@@ -117,12 +127,17 @@ def _worker_loop(config: dict) -> None:
                 return
             if kind == "load":
                 head = head_from_weights(payload["config"], payload["state"], target).float().to(device).train()
-                model = DistributedDataParallel(TTTObjective(head), find_unused_parameters=True,
-                                                broadcast_buffers=False)
+                model = None if by_position else DistributedDataParallel(
+                    TTTObjective(head), find_unused_parameters=True, broadcast_buffers=False)
                 opt = adamw(head, payload["lr"], payload["weight_decay"])
                 if payload["optimizer"] is not None:
                     opt.load_state_dict(payload["optimizer"])
                 reply = None
+            elif kind == "step" and by_position:
+                rows, step, lr, step_cfg = payload
+                set_lr(opt, lr)
+                stats, regenerated = sequence_parallel_step(target, head, opt, rows, step, step_cfg, device=device)
+                reply = (stats, stats.tokens, regenerated)
             elif kind == "step":
                 rows, step, lr, step_cfg = payload
                 tb = make_traffic_batch(target, head, rows, device)
@@ -148,11 +163,12 @@ class DataParallelStep:
 
     workers: group size; device: "cpu" or "cuda" (one GPU a worker); cpus_per_worker: Ray CPUs (and torch
     threads) each; target: the target name or directory the workers load, or target_builder (a picklable
-    callable, e.g. for tests); storage: Ray Train's run directory."""
+    callable, e.g. for tests); storage: Ray Train's run directory; split: "rows" (data parallel, DDP) or
+    "positions" (sequence parallel: every row split by position over the workers, trainer/seqpar.py)."""
 
     def __init__(self, workers: int, *, device: str, storage: Path, target: str | None = None,
                  target_builder: Callable[[], object] | None = None, cpus_per_worker: float = 1.0,
-                 name: str = "nearline-ddp") -> None:
+                 name: str = "nearline-ddp", split: str = "rows") -> None:
         import ray
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
@@ -160,15 +176,17 @@ class DataParallelStep:
 
         if workers < 2:
             raise ValueError(f"workers {workers} must be >= 2 (one worker trains in-process)")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if not ray.is_initialized():
             raise ScaleOutError("workers > 1 needs a running Ray cluster (ray.init or a Ray actor)")
-        self.workers = workers
+        self.workers, self.split = workers, split
         self.inboxes = [Queue() for _ in range(workers)]
         self.outbox = Queue()
         use_gpu = device.startswith("cuda")
         self.resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
         config = {"inboxes": self.inboxes, "outbox": self.outbox, "target": target, "target_builder": target_builder,
-                  "threads": cpus_per_worker}
+                  "threads": cpus_per_worker, "split": split}
         self.trainer = TorchTrainer(
             _worker_loop, train_loop_config=config,
             torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -226,8 +244,15 @@ class DataParallelStep:
         self._send("load", [payload] * self.workers)
 
     def step(self, rows: Sequence[TrafficRow], step: int, lr: float, cfg: StepConfig) -> tuple[StepStats, int, int]:
-        """One data-parallel optimizer step: (merged stats, tokens, regenerated rows). Copies given to spare
-        workers are not counted twice."""
+        """One optimizer step on the worker group: (merged stats, tokens, regenerated rows). Data parallel: copies
+        given to spare workers are not counted twice. Sequence parallel: every worker gets every row, reports the
+        whole batch's statistics and its own shard's tokens (each regenerates the rows without features)."""
+        if self.split == "positions":
+            if not rows:
+                raise ValueError("a step needs at least one row")
+            replies = self._send("step", [(list(rows), step, lr, cfg)] * self.workers)
+            tokens = sum(r[1] for r in replies)
+            return dataclasses.replace(replies[0][0], tokens=tokens), tokens, replies[0][2]
         parts = shards(rows, self.workers)
         replies = self._send("step", [(part, step, lr, cfg) for part in parts])
         real = min(len(rows), self.workers)  # workers holding rows of their own (the rest hold copies)
@@ -249,4 +274,4 @@ class DataParallelStep:
             q.shutdown()
 
 
-__all__ = ["DataParallelStep", "ScaleOutError", "TTTObjective", "head_payload", "merge_stats", "shards"]
+__all__ = ["SPLITS", "DataParallelStep", "ScaleOutError", "TTTObjective", "head_payload", "merge_stats", "shards"]

@@ -3,10 +3,11 @@
 Owns: how a batch is cut into contiguous position shards (`split_positions`, `SeqShard`, `shard_batch`,
 `shard_rows`), the ring that passes key/value blocks between neighbouring ranks (`Ring`, the autograd
 Function `RingAttention`), the TTT loss over a shard (`seqpar_ttt_loss`) and the gradient sum that makes every
-rank hold the whole batch's gradient (`all_reduce_gradients`). Must not touch: the TTT attention pattern and
-its alignment (trainer/ttt.py is the reference this module is tested equal to), the block attention math
-(trainer/long_attention.py), process groups' creation (Ray Train or the caller initialises torch.distributed),
-optimizers, data loading.
+rank hold the whole batch's gradient (`all_reduce_gradients`), and one rank's optimizer step on its shard of
+traffic rows (`sequence_parallel_step`, through trainer.step.train_step like every loop; trainer/scaleout.py runs
+it on Ray Train workers). Must not touch: the TTT attention pattern and its alignment (trainer/ttt.py is the
+reference this module is tested equal to), the block attention math (trainer/long_attention.py), process
+groups' creation (Ray Train or the caller initialises torch.distributed), data loading.
 
 Vocabulary. W ranks; rank r *owns* positions [start_r, end_r) of every row of the padded [B, T] batch (near
 equal, earlier ranks one longer). A *block* is one rank's step-0 keys and values, [B, kv_heads, n_r, d]. The
@@ -54,6 +55,7 @@ import torch.distributed as dist
 
 from adaptive_eagle.draft_head import Eagle3DraftHead, repeat_kv
 from trainer.long_attention import DEFAULT_CHUNK, BlockAttention, block_attention, dense_partial, merge
+from trainer.step import StepConfig, StepStats, train_step
 from trainer.ttt import (DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, SoftCrossEntropy, TTTBatch, TTTOutput, chain_rows,
                          shift_left, step_valid_mask)
 
@@ -389,7 +391,7 @@ def seqpar_ttt_loss(
     n = end - start
     w = shard.window
     local = w.aux.new_zeros((), dtype=torch.float32)
-    stats = torch.zeros(5, steps, dtype=torch.float64)  # ce sum, correct, count, accept, eligible
+    stats = torch.zeros(5, steps, dtype=torch.float64, device=dev)  # ce sum, correct, count, accept, eligible
     alive = torch.ones(rows.shape[0], dtype=torch.bool, device=dev)
     row_eligible = torch.zeros(steps, rows.shape[0], dtype=torch.bool, device=dev)
     row_accepted = torch.zeros_like(row_eligible)
@@ -430,7 +432,7 @@ def seqpar_ttt_loss(
             stats[:, j] = torch.tensor([float(ce) * m, int(hit.sum()), m, int(alive.sum()), int(row_eligible[j].sum())],
                                        dtype=torch.float64)
     local = _Join.apply(local, *attend.ring_outputs)
-    totals = torch.cat([stats.flatten(), torch.tensor([float(local.detach())], dtype=torch.float64)])
+    totals = torch.cat([stats.flatten(), local.detach().double().reshape(1)])
     dist.all_reduce(totals, group=ring.group)
     stats, loss = totals[:-1].view(5, steps), float(totals[-1])
     step_loss = [float(stats[0, j] / stats[2, j]) if stats[2, j] else 0.0 for j in range(steps)]
@@ -438,6 +440,29 @@ def seqpar_ttt_loss(
     ttt = TTTOutput(local, step_loss, ints[0], ints[1], ints[2], ints[3], rows[:, 1] + start, row_eligible,
                     row_accepted)
     return SeqParOutput(local, loss, ttt)
+
+
+def sequence_parallel_step(target, head: Eagle3DraftHead, optimizer: torch.optim.Optimizer, rows, step: int,
+                           cfg: StepConfig, *, group: dist.ProcessGroup | None = None,
+                           device: torch.device | str | None = None) -> tuple[StepStats, int]:
+    """One optimizer step of `head` on traffic `rows`, this rank training its position shard of every row:
+    (stats, rows regenerated here). Every rank of `group` calls it with the same rows, step and config; after
+    it every rank holds the same head. stats: the whole batch's loss and step statistics, tokens this rank's
+    owned real tokens (the ranks' tokens sum to the batch's). Chains sampled under cfg.max_loss_rows are drawn
+    from a generator seeded by `step`, the same on every rank."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    shard, regenerated = shard_rows(target, head, rows, rank, world, halo=cfg.ttt_steps, device=device)
+    ring = Ring(shard.bounds, group)
+    generator = torch.Generator().manual_seed(step) if cfg.max_loss_rows is not None else None
+
+    def objective(_window: TTTBatch):
+        out = seqpar_ttt_loss(head, shard, ring, steps=cfg.ttt_steps, decay=cfg.step_decay,
+                              max_loss_rows=cfg.max_loss_rows, generator=generator)
+        return out.objective(), out.ttt
+
+    stats = train_step(head, shard.window, optimizer, None, cfg, step=step, objective=objective,
+                       reduce_gradients=lambda params: all_reduce_gradients(params, group))
+    return stats, regenerated
 
 
 def all_reduce_gradients(params: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
@@ -461,4 +486,4 @@ def all_reduce_gradients(params: Sequence[torch.Tensor], group: dist.ProcessGrou
 
 
 __all__ = ["Ring", "RingAttention", "RingTTTAttention", "SeqParOutput", "SeqShard", "all_reduce_gradients",
-           "seqpar_ttt_loss", "shard_batch", "shard_rows", "split_positions"]
+           "seqpar_ttt_loss", "sequence_parallel_step", "shard_batch", "shard_rows", "split_positions"]

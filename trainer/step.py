@@ -101,6 +101,7 @@ def train_step(
     generator: torch.Generator | None = None,
     extra_loss: Callable[[], torch.Tensor] | None = None,
     objective: Callable[[TTTBatch], tuple[torch.Tensor, TTTOutput]] | None = None,
+    reduce_gradients: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> StepStats:
     """One optimizer update of `head` on `batch`: lr ← schedule(step) → TTT loss → backward → clip → step.
 
@@ -108,7 +109,8 @@ def train_step(
     type. `schedule` None keeps the optimizer's current lr. `generator` samples the scored chains
     when cfg.max_loss_rows caps them. `objective(batch) -> (loss, TTTOutput)` replaces the TTT loss
     of `head` (trainer/scaleout.py passes its DistributedDataParallel wrapper of the same loss, so
-    backward averages the gradients over the workers). A non-finite gradient norm skips the update (the parameters
+    backward averages the gradients over the workers). `reduce_gradients(params)` runs after backward and before
+    clipping (trainer/seqpar.py sums the ranks' shares of the gradient there). A non-finite gradient norm skips the update (the parameters
     and the optimizer state are left as they were) and says so in ``StepStats.skipped``: one bad
     batch of live traffic must not poison a continually trained head.
     """
@@ -127,6 +129,8 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if reduce_gradients is not None:
+        reduce_gradients(params)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
     skipped = not math.isfinite(grad_norm)
     if skipped:

@@ -289,3 +289,73 @@ def test_ring_attention_on_one_rank_is_block_attention_with_gradients(one_rank):
     w = torch.autograd.grad((w_out.sin().sum() + w_lse.cos().sum()), (q, k, v))
     for a, b in zip(g, w):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_sequence_parallel_step_on_ray_train_workers_equals_one_in_process_step(ray_session, tmp_path):
+    """The product path: DataParallelStep(split="positions") on two Ray Train workers (gloo), each training its
+    position shard of every row, leaves the weights of one in-process step on the whole batch (clip and AdamW
+    included; float32, so held as test_scaleout holds DDP: the first AdamW step moves a weight by ~lr * sign(g))."""
+    import copy
+
+    from tests.trainer.test_scaleout import assert_same_first_adamw_step, world_target
+    from trainer.scaleout import DataParallelStep
+    from trainer.step import StepConfig, adamw, set_lr, train_step
+    from trainer.traffic import make_traffic_batch
+
+    target = world_target()
+    head = copy.deepcopy(ray_world_head(target))
+    rows = traffic_rows(target, 3, seed=2)
+    cfg = StepConfig(max_loss_rows=None, bf16=False)
+    lr = 1e-2
+    ref = copy.deepcopy(head).float().train()
+    opt = adamw(ref, lr)
+    set_lr(opt, lr)
+    want = train_step(ref, make_traffic_batch(target, ref, rows, "cpu").batch, opt, None, cfg, step=0)
+
+    group = DataParallelStep(2, device="cpu", storage=tmp_path / "ray-train", target_builder=world_target,
+                             split="positions")
+    try:
+        start = copy.deepcopy(head).float()
+        group.load(start, adamw(start, lr), lr, 0.0)
+        got, tokens, regenerated = group.step(rows, 0, lr, cfg)
+        state = group.state()
+    finally:
+        group.close()
+    assert tokens == got.tokens == sum(r.tokens for r in rows) and regenerated == 1  # the one uncaptured row
+    assert got.loss == pytest.approx(want.loss, rel=1e-5) and got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+    assert got.step_count == want.step_count and got.step_correct == want.step_correct
+    grads = {k: p.grad for k, p in ref.named_parameters() if p.grad is not None}
+    tight = total = 0
+    for k, v in ref.state_dict().items():
+        if k == "embed_tokens.weight":
+            continue
+        if k not in grads:
+            assert torch.equal(state["state"][k], v), k
+            continue
+        mask = assert_same_first_adamw_step(state["state"][k], v, head.state_dict()[k].float(), grads[k], lr, k)
+        tight, total = tight + int(mask.sum()), total + mask.numel()
+    assert tight >= 0.95 * total
+
+
+def ray_world_head(target):
+    """The head of tests/trainer/test_scaleout.py's world (dense, float32), on its target."""
+    from tests.adaptive_eagle.test_engine import tiny_setup
+    from tests.trainer.test_scaleout import SEED
+
+    head = tiny_setup(seed=SEED, dtype=torch.float32)[1]
+    assert torch.equal(head.embed_tokens.weight, target.input_embeddings())
+    return head
+
+
+def test_the_near_line_trainer_chooses_sequence_parallel_by_configuration(tmp_path):
+    from feature_store.config import StoreConfig
+    from trainer.config import NearlineConfig
+
+    base = dict(registry=str(tmp_path), work_dir=str(tmp_path), store=StoreConfig(backend="local",
+                local_root=str(tmp_path)))
+    assert NearlineConfig(**base).sequence_parallel == 1
+    assert NearlineConfig(**base, workers=4, sequence_parallel=4).sequence_parallel == 4
+    with pytest.raises(ValueError, match=r"sequence_parallel 2 must be 1 or equal workers \(4\)"):
+        NearlineConfig(**base, workers=4, sequence_parallel=2)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        NearlineConfig(**base, sequence_parallel=0)
