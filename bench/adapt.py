@@ -368,7 +368,7 @@ def main() -> None:
                     help="learning rate of (b), (c) and (d) (default: the trainer's)")
     ap.add_argument("--max-passes", type=float, default=NearlineConfig.model_fields["max_passes"].default,
                     help="passes over the captured records in (b) and (d) (default: the trainer's)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens an answer (default: 128; long: 96)")
     ap.add_argument("--train", type=int, default=160, help="captured training records per domain")
     ap.add_argument("--heldout", type=int, default=32, help="held-out records per domain in each of the "
                     "validation and test halves")
@@ -380,10 +380,12 @@ def main() -> None:
                     help="drift: English -> code traffic; long: long multi-turn agent sessions, by context position")
     ap.add_argument("--sessions", type=int, default=12, help="long: training sessions")
     ap.add_argument("--heldout-sessions", type=int, default=6, help="long: held-out sessions (never trained on)")
-    ap.add_argument("--session-chars", type=int, default=20000,
+    ap.add_argument("--session-chars", type=int, default=24000,
                     help="long: context a session reaches in characters (about a quarter as many tokens)")
-    ap.add_argument("--session-turns", type=int, default=24, help="long: most turns a session has")
+    ap.add_argument("--session-turns", type=int, default=10, help="long: most turns a session has")
     args = ap.parse_args()
+    if args.max_tokens is None:
+        args.max_tokens = 96 if args.workload == "long" else 128
     if args.quick:
         args.minutes, args.train, args.heldout, args.evals, args.max_tokens = 1.5, 24, 8, 2, 64
         args.sessions, args.heldout_sessions, args.session_chars, args.session_turns = 2, 1, 6000, 6

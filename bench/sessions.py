@@ -7,8 +7,8 @@ after the answer to turn k-1 came back, and appends that answer, not a recorded 
 contexts grow turn by turn to thousands of tokens, as an agent's do.
 
 Two kinds, both from real ShareGPT text of one split:
-- chat: the user turns of consecutive multi-turn conversations, one user working through several
-  tasks in one session;
+- chat: the substantive user turns (300 characters or more: questions with pasted code, text, data)
+  of consecutive conversations, one user working through several tasks in one session;
 - tool: a research agent with a `search` tool. Each turn the user asks a real ShareGPT question, the
   tool's output (role `tool`) is a real ShareGPT answer to it (as a retrieved document, up to
   `tool_chars`), and the model answers from it. Tool outputs make the context grow fast, as agents'
@@ -47,7 +47,7 @@ def _latin(text: str) -> bool:
     return sum(c.isascii() for c in text) >= 0.9 * max(1, len(text))
 
 
-def build_sessions(conversations: Iterable[Conversation], n: int, *, min_chars: int = 16000, max_turns: int = 24,
+def build_sessions(conversations: Iterable[Conversation], n: int, *, min_chars: int = 16000, max_turns: int = 10,
                    user_chars: int = 3000, tool_chars: int = 3000, answer_chars: int = 400,
                    seed: int = 0) -> list[Session]:
     """`n` sessions alternating chat and tool kinds, each of about `min_chars` characters of context (about
@@ -57,11 +57,11 @@ def build_sessions(conversations: Iterable[Conversation], n: int, *, min_chars: 
     tool_turns: list[tuple[str, str]] = []
     for i, conv in enumerate(conversations):  # each conversation feeds one kind: even ones chat first, odd tool
         users = [m.content.strip() for m in conv.messages if m.role == "user"]
-        users = [u for u in users if 20 <= len(u) <= user_chars and _latin(u)]
+        users = [u for u in users if 300 <= len(u) <= user_chars and _latin(u)]  # substantive turns
         pairs = list(zip(conv.messages, conv.messages[1:]))
         q, a = next(((u.content.strip(), v.content.strip()) for u, v in pairs
                      if u.role == "user" and v.role == "assistant"), ("", ""))
-        chat_ok, tool_ok = len(users) >= 2, 20 <= len(q) <= 300 and len(a) >= 400 and _latin(q + a)
+        chat_ok, tool_ok = bool(users), 20 <= len(q) <= 300 and len(a) >= 400 and _latin(q + a)
         if chat_ok and (i % 2 == 0 or not tool_ok):
             chat_turns.extend(users)
         elif tool_ok:
