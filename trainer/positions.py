@@ -1,7 +1,8 @@
 """Context-position buckets: acceptance sliced by where in the context a draft is made.
 
-Owns: the bucket edges (0-512, 512-1k, 1-2k, 2-4k, 4-8k by default), their labels and checks, and
-the per-bucket tally of TTT chain rows (trainer.ttt's row_position / row_eligible / row_accepted).
+Owns: the per-bucket tally of TTT chain rows (trainer.ttt's row_position / row_eligible / row_accepted).
+The bucket edges (0-512, 512-1k, 1-2k, 2-4k, 4-8k by default), their labels and checks live in
+adaptive_eagle.positions (torch-free, shared with serving and the policy) and are re-exported here.
 The replay's slice (trainer.replay.ReplayScore.by_position) buckets its verify steps here too.
 
 Position: the index in the context of the token a step's first draft predicts, i.e. how many
@@ -13,57 +14,13 @@ edges[i] <= p < edges[i + 1]; positions at or past the last edge fall in an open
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from typing import Sequence
 
 import torch
 
+from adaptive_eagle.positions import (DEFAULT_EDGES, bucket_label, bucket_of, buckets_below, check_edges,
+                                      parse_edges)
 from trainer.ttt import acceptance_summary
-
-DEFAULT_EDGES = (0, 512, 1024, 2048, 4096, 8192)
-
-
-def parse_edges(text: str) -> tuple[int, ...]:
-    """'0,512,1024' -> (0, 512, 1024); ValueError naming the rule unless integers, from 0, increasing."""
-    try:
-        edges = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"buckets {text!r}: comma-separated integers, e.g. 0,512,1024,2048") from None
-    check_edges(edges)
-    return edges
-
-
-def check_edges(edges: Sequence[int]) -> None:
-    if len(edges) < 2 or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
-        raise ValueError(f"buckets {','.join(map(str, edges))}: at least two edges, the first 0, strictly "
-                         "increasing (e.g. 0,512,1024,2048,4096,8192)")
-
-
-def _short(x: int) -> str:
-    return f"{x // 1024}k" if x and x % 1024 == 0 else str(x)
-
-
-def bucket_label(lo: int, hi: int | None) -> str:
-    """(512, 1024) -> '512-1k', (1024, 2048) -> '1-2k', (8192, None) -> '8k+'."""
-    if hi is None:
-        return f"{_short(lo)}+"
-    a, b = _short(lo), _short(hi)
-    if a.endswith("k") and b.endswith("k"):
-        a = a[:-1]
-    return f"{a}-{b}"
-
-
-def bucket_of(position: int, edges: Sequence[int]) -> int:
-    """Index of the bucket holding `position` (len(edges) - 1: the open bucket past the last edge)."""
-    return bisect_right(edges, position) - 1
-
-
-def buckets_below(edges: Sequence[int], limit: int) -> list[tuple[int, int | None]]:
-    """The buckets (lo, hi; hi None: open) that hold positions < limit."""
-    spans = [(lo, hi) for lo, hi in zip(edges, edges[1:]) if lo < limit]
-    if limit > edges[-1]:
-        spans.append((edges[-1], None))
-    return spans
 
 
 class PositionTally:
