@@ -79,6 +79,10 @@ class SpecMetrics:
     tokens_per_s: float = 0.0
     captured: str = "no"  # "hidden" | "tokens" | "no" | "opted_out" | "dropped"
     domain: Optional[str] = None
+    # prompt tokens + half the generated tokens (adaptive_eagle.positions.context_position); None: not known
+    context_position: Optional[int] = None
+    # per context bucket its verify steps started in: (bucket label, verify steps, accepted drafts)
+    by_context: tuple[tuple[str, int, int], ...] = ()
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -6,20 +6,47 @@ statuses at scrape time (a replica that did not answer is `ae_replica_up` 0; the
 failures in `ae_replica_failures_total` as they happen). Must not touch: routing, decoding.
 
 Per-request acceptance is a histogram by head version and domain, so tail acceptance (the policy's
-gate) can be read from /metrics, unlike SGLang's batch-level gauges.
+gate) can be read from /metrics, unlike SGLang's batch-level gauges. Acceptance by context length is two
+counters by head version and context bucket (adaptive_eagle.positions.DEFAULT_EDGES: six labels, 0-512 …
+8k+), `ae_verify_steps` and `ae_accepted_drafts`: each verify step counts in the bucket of the position its
+first draft predicts, so a bucket's accept length is 1 + accepted drafts / verify steps (rate them alike).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from adaptive_eagle.positions import DEFAULT_EDGES, bucket_labels, context_position, label_of, step_positions
+from adaptive_eagle.trace import TraceRecord
 from serving.messages import ServerStatus, SpecMetrics
+
+log = logging.getLogger(__name__)
 
 ACCEPT_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1000)
+CONTEXT_LABELS = bucket_labels(DEFAULT_EDGES)  # the only values of the `context` label
+CONTEXT_HELP = ("context bucket of the position each verify step's first draft predicts (prompt tokens + 1 + "
+                "the tokens committed before the step; buckets 0-512, 512-1k, 1-2k, 2-4k, 4-8k, 8k+; on the SGLang backend, which does not "
+                "report the order of a request's steps, the positions within a request are approximate)")
+
+
+def context_fields(trace: TraceRecord) -> dict:
+    """SpecMetrics' context fields of one finished request: its context position and, per context bucket its
+    verify steps started in, (label, steps, accepted drafts). Empty without a prompt (nothing to place)."""
+    prompt = next((i for i, m in enumerate(trace.loss_mask) if m), len(trace.loss_mask))
+    if prompt < 1:
+        return {}
+    accepted = [s.accept_length for s in trace.steps]
+    tally: dict[str, list[int]] = {}
+    for pos, a in zip(step_positions(prompt, accepted), accepted):
+        t = tally.setdefault(label_of(pos), [0, 0])
+        t[0], t[1] = t[0] + 1, t[1] + a
+    return {"context_position": context_position(prompt, len(trace.loss_mask) - prompt),
+            "by_context": tuple((k, *tally[k]) for k in CONTEXT_LABELS if k in tally)}
 
 
 class GatewayMetrics:
@@ -27,6 +54,16 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.accept_length = Histogram("ae_accept_length", "Per-request accept length (tokens per verify step, bonus "
                                        "included)", ["head_version", "domain"], buckets=ACCEPT_BUCKETS, registry=r)
+        self.verify_steps = Counter("ae_verify_steps", "Verify steps by head version and " + CONTEXT_HELP,
+                                    ["head_version", "context"], registry=r)
+        self.accepted_drafts = Counter("ae_accepted_drafts", "Draft tokens the target kept (bonus not counted) by "
+                                       "head version and " + CONTEXT_HELP + "; accept length of a bucket = 1 + "
+                                       "ae_accepted_drafts / ae_verify_steps", ["head_version", "context"],
+                                       registry=r)
+        self.context_refused = Counter("ae_context_labels_refused", "by_context entries of a response whose bucket "
+                                       "is not one of the gateway's context labels (a replica on other edges)",
+                                       registry=r)
+        self._context_heads: set[str] = set()
         self.tpot = Histogram("ae_time_per_output_token_seconds", "Per-request wall time per output token",
                               ["head_version"], buckets=TPOT_BUCKETS, registry=r)
         self.tokens_per_s = Histogram("ae_tokens_per_second", "Per-request output tokens per second",
@@ -68,10 +105,25 @@ class GatewayMetrics:
     def observe(self, spec: SpecMetrics, tokens: int) -> None:
         v = spec.head_version
         self.accept_length.labels(v, spec.domain or "none").observe(spec.accept_length)
+        self._observe_context(v, spec.by_context)
         if tokens:
             self.tpot.labels(v).observe(spec.tpot_s)
             self.tokens_per_s.labels(v).observe(spec.tokens_per_s)
             self.completion_tokens.labels(v).inc(tokens)
+
+    def _observe_context(self, version: str, by_context) -> None:
+        if version not in self._context_heads:  # every bucket's series at 0 from a head's first request on
+            self._context_heads.add(version)
+            for label in CONTEXT_LABELS:
+                self.verify_steps.labels(version, label)
+                self.accepted_drafts.labels(version, label)
+        for label, steps, accepted in by_context:
+            if label not in CONTEXT_LABELS:  # a replica on other edges: never a new series, never a failed request
+                self.context_refused.inc()
+                log.error("metrics: by_context label %r is not one of %s; not counted", label, CONTEXT_LABELS)
+                continue
+            self.verify_steps.labels(version, label).inc(steps)
+            self.accepted_drafts.labels(version, label).inc(accepted)
 
     def refresh(self, statuses: Iterable[ServerStatus], waiting: int, busy: int, canary_fraction: float,
                 replicas_up: Optional[Mapping[str, bool]] = None) -> None:

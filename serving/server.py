@@ -30,6 +30,7 @@ from serving.backend import Backend, BackendResult, RequestError, TokenChunk
 from serving.capture import CapturePolicy, CaptureSampler
 from serving.messages import (PLAIN, DecodeRequest, Delta, Event, Finished, Refused, ServerStatus, SpecMetrics,
                               Started)
+from serving.metrics import context_fields
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -97,7 +98,7 @@ def spec_metrics(result: BackendResult, backend: str, replica: str, captured: st
         accepted_drafts=sum(s.accept_length for s in steps), backend=backend, replica=replica,
         elapsed_s=round(result.elapsed_s, 6), tpot_s=round(result.elapsed_s / n, 6) if n else 0.0,
         tokens_per_s=round(n / result.elapsed_s, 3) if result.elapsed_s > 0 else 0.0, captured=captured,
-        domain=domain)
+        domain=domain, **context_fields(result.trace))
 
 
 class DecodeServer:

@@ -258,12 +258,15 @@ def test_metrics_and_fleet_for_the_policy(gateway, client):
     chat(client, PROMPTS[0], metadata={"domain": "code"})
     text = httpx.get(url + "/metrics").text
     assert 'ae_accept_length_bucket{domain="code",head_version="v1"' in text
+    assert 'ae_verify_steps_total{context="0-512",head_version="v1"}' in text  # short prompts: the first bucket
+    assert 'ae_accepted_drafts_total{context="8k+",head_version="v1"} 0.0' in text
     for name in ("ae_time_per_output_token_seconds", "ae_tokens_per_second", "ae_queue_depth",
                  'ae_replica_head_info{head_version="v1",replica="replica-0"} 1.0', "ae_capture_dropped"):
         assert name in text, name
     fleet = gw.fleet  # driven from this (non-loop) thread, as a policy controller would
     samples = fleet.live_samples("v1")
     assert samples and all(s.head_version == "v1" and s.accept_length >= 1.0 for s in samples)
+    assert all(s.context is not None and 0 < s.context < 100 for s in samples)  # prompt + half the output
     assert fleet.live_samples("v1", since=samples[-1].finished_at) == samples[-1:]
     from policies.fleet import Fleet
 
