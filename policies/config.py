@@ -16,7 +16,11 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from adaptive_eagle.positions import DEFAULT_EDGES
+
+MAX_CONTEXT_EDGES = 16  # the context slice has at most this many buckets
 
 
 class PolicyConfigError(ValueError):
@@ -49,6 +53,15 @@ class PolicyConfig(BaseModel):
     # ---- regression tolerances (fractions of the champion's value) ----
     domain_tolerance: float = Field(0.03, ge=0.0, le=0.5, description=(
         "largest allowed drop of a domain's tail or mean, as a fraction of the champion's; in [0, 0.5]"))
+    context_guard: bool = Field(True, description=(
+        "true: the gates also slice both heads' requests by context position (prompt tokens + half the generated "
+        "tokens, bucketed at context_edges) and reject a candidate whose mean in any bucket where both heads have "
+        "min_domain_samples requests drops by more than domain_tolerance, so that a head that gains on short "
+        "requests and loses on long ones is not promoted; requests without a context position (older evidence) "
+        "are left out of the slice; in {true, false}"))
+    context_edges: tuple[int, ...] = Field(DEFAULT_EDGES, description=(
+        "bucket edges of the context slice in tokens (the last bucket is open: 8192 and more by default); in "
+        f"2 to {MAX_CONTEXT_EDGES} integers, the first 0, strictly increasing"))
     mean_tolerance: float = Field(0.01, ge=0.0, le=0.5, description=(
         "largest allowed drop of the overall mean, as a fraction of the champion's; in [0, 0.5]"))
 
@@ -105,6 +118,14 @@ class PolicyConfig(BaseModel):
         "replaces plain decoding only when it is lower than plain decoding's; in [0.5, 1)"))
 
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the bootstrap resampling (reproducible gates); in [0, 2**32 - 1]")
+
+    @field_validator("context_edges")
+    @classmethod
+    def _edges(cls, edges: tuple[int, ...]) -> tuple[int, ...]:
+        if not 2 <= len(edges) <= MAX_CONTEXT_EDGES or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"context_edges must be 2 to {MAX_CONTEXT_EDGES} integers, the first 0, strictly "
+                             "increasing (e.g. 0, 512, 1024, 2048, 4096, 8192)")
+        return edges
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":

@@ -154,7 +154,7 @@ def unpin_version(registry: Registry, plog: PromotionLog, *, by: str = "on-call"
 def plain_replay(samples: Sequence[RequestSample]) -> list[RequestSample]:
     """Plain decoding's replay of the same records: exactly one token per step (accept length 1.0)."""
     return [RequestSample(accept_length=1.0, head_version=PLAIN, domain=s.domain, request_id=s.request_id,
-                          tokens=s.tokens) for s in samples]
+                          tokens=s.tokens, context=s.context) for s in samples]
 
 
 # ---- the state machine --------------------------------------------------------------------------------

@@ -18,8 +18,11 @@ Promote only when (checked in this order; the first failure is the reason): both
 samples, the tail gain's lower bound is > 0, the mean does not drop by more than config.mean_tolerance,
 and no domain with at least config.min_domain_samples requests of each head drops (tail or mean) by more
 than config.domain_tolerance (domains are checked when the samples have two or more; untagged requests
-form the domain "-"). The live canary may instead be a non-inferiority check (config.canary_margin > 0):
-its lower bound must be above -margin x the champion's tail; the gain itself was shown by the offline gate.
+form the domain "-"), and, with config.context_guard, no context bucket (the requests' context positions
+bucketed at config.context_edges: 0-512 … 8k+) where both heads have config.min_domain_samples requests drops
+in mean by more than config.domain_tolerance (requests without a context position are left out of that
+slice). The live canary may instead be a non-inferiority check (config.canary_margin > 0): its lower bound
+must be above -margin x the champion's tail; the gain itself was shown by the offline gate.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 from scipy.stats import bootstrap
 
+from adaptive_eagle.positions import bucket_label, bucket_of
 from policies.config import PolicyConfig
 from policies.samples import PLAIN, RequestSample
 from policies.sequential import paired_tail_path, quantile_bound
@@ -70,6 +74,19 @@ class DomainRow:
 
 
 @dataclass(frozen=True)
+class ContextRow:
+    """One context bucket's figures (natural units of the metric): the context-length slice of the guard."""
+
+    bucket: str  # adaptive_eagle.positions label of the requests' context positions, e.g. "2-4k"
+    n_champion: int
+    n_candidate: int
+    mean_champion: float | None  # None when the head has no request in the bucket
+    mean_candidate: float | None
+    checked: bool  # config.context_guard, and both heads have config.min_domain_samples requests in the bucket
+    regressed: bool  # checked, and the mean dropped by more than config.domain_tolerance
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Champion versus candidate on one metric; natural units (TPOT in seconds, accept length in tokens)."""
 
@@ -90,10 +107,12 @@ class Comparison:
     mean_candidate: float
     mean_gain: float  # positive = better
     domains: tuple[DomainRow, ...] = ()
+    contexts: tuple[ContextRow, ...] = ()  # by context bucket; only requests with a context position
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["domains"] = [asdict(r) for r in self.domains]
+        d["contexts"] = [asdict(r) for r in self.contexts]
         return d
 
 
@@ -152,6 +171,38 @@ def _domain_rows(champion: Sequence[RequestSample], candidate: Sequence[RequestS
     return tuple(rows)
 
 
+def _context_rows(champion: Sequence[RequestSample], candidate: Sequence[RequestSample], values, sign: float,
+                  config: PolicyConfig) -> tuple[ContextRow, ...]:
+    """Both heads' requests by context bucket (config.context_edges), in bucket order; requests without a
+    context position are left out."""
+    edges = config.context_edges
+    groups: dict[int, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for side, samples in enumerate((champion, candidate)):
+        for s in samples:
+            if s.context is not None:
+                groups[bucket_of(s.context, edges)][side].append(values(s))
+    rows = []
+    for i in sorted(groups):
+        a, b = (np.asarray(v, dtype=float) for v in groups[i])
+        mean = [float(x.mean()) if len(x) else None for x in (a, b)]
+        checked = config.context_guard and min(len(a), len(b)) >= config.min_domain_samples
+        regressed = checked and _dropped(sign * (mean[1] - mean[0]), mean[0], config.domain_tolerance)
+        label = bucket_label(edges[i], edges[i + 1] if i + 1 < len(edges) else None)
+        rows.append(ContextRow(label, len(a), len(b), mean[0], mean[1], checked, regressed))
+    return tuple(rows)
+
+
+def context_guard_reason(rows: Sequence[ContextRow], config: PolicyConfig, fmt: Callable[[float], str] =
+                         "{:.3f}".format, what: str = "mean accept length") -> str | None:
+    """The guard's reason naming every regressed context bucket, or None when none regressed."""
+    bad = [r for r in rows if r.regressed]
+    if not bad:
+        return None
+    names = ", ".join(f"{r.bucket} tokens ({what} {fmt(r.mean_champion)} -> {fmt(r.mean_candidate)}, "
+                      f"{r.n_candidate} requests)" for r in bad)
+    return f"context length {names} regresses by more than the {config.domain_tolerance:.0%} tolerance"
+
+
 def compare(champion: Sequence[RequestSample], candidate: Sequence[RequestSample], config: PolicyConfig, *,
             metric: Literal["accept_length", "tpot_s"] = "accept_length", paired: bool = False) -> Comparison:
     """The figures of one comparison. Paired: champion[i] and candidate[i] are the same record. Each side
@@ -178,7 +229,8 @@ def compare(champion: Sequence[RequestSample], candidate: Sequence[RequestSample
                       n_champion=len(a), n_candidate=len(b), tail_champion=tail_a, tail_candidate=tail_b,
                       tail_gain=sign * (tail_b - tail_a), ci_low=low, ci_high=high, level=config.confidence_level,
                       mean_champion=mean_a, mean_candidate=mean_b, mean_gain=sign * (mean_b - mean_a),
-                      domains=_domain_rows(champion, candidate, values, sign, q, config))
+                      domains=_domain_rows(champion, candidate, values, sign, q, config),
+                      contexts=_context_rows(champion, candidate, values, sign, config))
 
 
 def pair_by_request(champion: Sequence[RequestSample], candidate: Sequence[RequestSample]
@@ -233,6 +285,8 @@ def _judge(cmp: Comparison, config: PolicyConfig, stage: str, margin: float = 0.
                           f"{val(r.mean_champion)} -> {val(r.mean_candidate)})" for r in bad)
         return Decision(REJECT, f"domain {names} regresses by more than the {config.domain_tolerance:.0%} "
                                 "tolerance.", ev)
+    if guard := context_guard_reason(cmp.contexts, config, val, mean_what):
+        return Decision(REJECT, guard + ".", ev)
     if margin > 0:
         return Decision(PROMOTE, f"{what} holds live within the {margin:.0%} margin: gain {gain(cmp.tail_gain)} "
                                  f"({val(cmp.tail_champion)} -> {val(cmp.tail_candidate)}), interval {ci} above "
@@ -307,12 +361,13 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
     tail_a, tail_b = _tail(a, q, config.tail_statistic), _tail(b, q, config.tail_statistic)
     mean_a, mean_b = float(a.mean()), float(b.mean())
     domains = _domain_rows(a_s, b_s, lambda s: s.accept_length, 1.0, q, config)
+    contexts = _context_rows(a_s, b_s, lambda s: s.accept_length, 1.0, config)
     ev.update({"tail_records": int(path["touched"][-1]), "decided": int(path["decided"][-1]),
                "wins": int(path["wins"][-1]), "e_wins": float(np.exp(min(m_wins, 700))),
                "e_losses": float(np.exp(min(m_losses, 700))), "e_bar": 1.0 / alpha,
                "tail_champion": tail_a, "tail_candidate": tail_b, "tail_gain": tail_b - tail_a,
                "mean_champion": mean_a, "mean_candidate": mean_b, "mean_gain": mean_b - mean_a,
-               "domains": [asdict(r) for r in domains]})
+               "domains": [asdict(r) for r in domains], "contexts": [asdict(r) for r in contexts]})
     what = (f"p{round(100 * q)} accept length" if config.tail_statistic == "quantile"
             else f"mean accept length of the lowest {round(100 * q)}%")
     record = f"{ev['wins']} of {ev['decided']} tail records won ({ev['tail_records']} touched the tail, {n} paired)"
@@ -341,6 +396,8 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
         guard = "domain " + ", ".join(f"{r.domain} (tail {r.tail_champion:.3f} -> {r.tail_candidate:.3f}, mean "
                                       f"{r.mean_champion:.3f} -> {r.mean_candidate:.3f})" for r in bad) + \
                 f" regresses by more than the {config.domain_tolerance:.0%} tolerance"
+    else:
+        guard = context_guard_reason(contexts, config)
     if guard is not None:
         if closing:
             return Decision(REJECT, f"wins the tail's sign test ({record}) but {guard}, at {why_closed}.", ev)
@@ -445,6 +502,8 @@ def sequential_canary_gate(champion: Sequence[RequestSample], candidate: Sequenc
               ("tail_lower_champion", low_a))},
           "domains": [asdict(r) for r in _domain_rows(champion, candidate, lambda s: s.accept_length, 1.0, q,
                                                       config)]}
+    contexts = _context_rows(champion, candidate, lambda s: s.accept_length, 1.0, config)
+    ev["contexts"] = [asdict(r) for r in contexts]
     what = f"p{round(100 * q)} accept length"
     bar = f"{1 - m:.0%} of the champion's" if m > 0 else "the champion's"
     if low_b > (1 - m) * high_a:
@@ -456,6 +515,8 @@ def sequential_canary_gate(champion: Sequence[RequestSample], candidate: Sequenc
         if bad:
             return Decision(REJECT, f"domain {', '.join(r['domain'] for r in bad)} regresses by more than the "
                                     f"{config.domain_tolerance:.0%} tolerance.", ev)
+        if guard := context_guard_reason(contexts, config):
+            return Decision(REJECT, guard + ".", ev)
         return Decision(PROMOTE, f"{what} is above {bar} at every look's level {config.confidence_level:.0%}: "
                                  f"{tail_a:.3f} -> {tail_b:.3f} (candidate at least {low_b:.3f}, champion at most "
                                  f"{high_a:.3f}) after {len(b)} live requests.", ev)
@@ -531,7 +592,8 @@ def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[Reque
 
 
 __all__ = [
-    "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "Decision", "DomainRow",
+    "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "ContextRow", "Decision",
+    "DomainRow", "context_guard_reason",
     "canary_gate", "cold_start_gate", "compare", "health_canary_gate", "offline_gate", "pair_by_request",
     "pair_in_order", "rollback_check", "sequential_canary_gate", "sequential_offline_gate",
     "tail_gain_interval", "tail_of",

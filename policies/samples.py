@@ -22,12 +22,17 @@ class RequestSample:
     tpot_s: float | None = None  # live requests: wall seconds per output token; None for replay
     finished_at: float = 0.0  # unix seconds
     tokens: int = 0  # output tokens
+    # context position: prompt tokens + half the generated tokens (adaptive_eagle.positions.context_position),
+    # the same for both heads of a replayed record; None: not known (older evidence), left out of context slices
+    context: int | None = None
 
     def __post_init__(self) -> None:
         if not self.accept_length >= 1.0:
             raise ValueError(f"accept_length must be >= 1.0 (bonus token included), got {self.accept_length}")
         if self.tpot_s is not None and not self.tpot_s >= 0:
             raise ValueError(f"tpot_s must be >= 0, got {self.tpot_s}")
+        if self.context is not None and not self.context >= 0:
+            raise ValueError(f"context must be >= 0 tokens (or None: not known), got {self.context}")
 
 
 def version_label(version: str | None) -> str:

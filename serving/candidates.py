@@ -10,8 +10,9 @@ Two kinds of evidence, as the trainer's `evidence` setting writes them:
   is still undecided is re-read whenever it grew, and the policy's sequential offline gate judges it, until it
   decides (or the file closes and it decides on what is there). A malformed file is refused with its reason,
   counted and logged, and the candidate is not considered again.
-- held-out (`metrics.replay.samples.{candidate,champion}`: lists of [request_id, domain, accept_length]),
-  complete when the candidate is written: only the newest waiting candidate matters; one that arrives while
+- held-out (`metrics.replay.samples.{candidate,champion}`: lists of [request_id, domain, accept_length] and,
+  since the context guard, the record's context position as a 4th element), complete when the candidate is
+  written: only the newest waiting candidate matters; one that arrives while
   the policy is busy (a canary or a watch) or the registry is pinned waits, and a newer one replaces it.
 A version with neither (added by hand) is never considered automatically.
 """
@@ -37,10 +38,19 @@ def replay_samples(metrics: dict, candidate: str) -> Optional[tuple[list[Request
     champion = replay.get("champion_version") or PLAIN
 
     def rows(key: str, version: str) -> list[RequestSample]:
-        return [RequestSample(accept_length=max(1.0, float(a)), head_version=version, domain=d, request_id=str(r))
-                for r, d, a in samples.get(key) or ()]
+        return [RequestSample(accept_length=max(1.0, float(row[2])), head_version=version, domain=row[1],
+                              request_id=str(row[0]), context=_context(row, key))
+                for row in samples.get(key) or ()]
 
     return rows("champion", champion), rows("candidate", candidate)
+
+
+def _context(row, key: str) -> Optional[int]:
+    """A held-out row's context position: its 4th element (rows written before it existed have 3: None)."""
+    if len(row) not in (3, 4):
+        raise ValueError(f"replay sample row {row!r} of {key}: [request_id, domain, accept_length] or "
+                         "[request_id, domain, accept_length, context_position]")
+    return None if len(row) == 3 or row[3] is None else int(row[3])
 
 
 def prequential(metrics: dict) -> bool:

@@ -42,7 +42,8 @@ class LiveSamples:
     def add(self, spec: SpecMetrics, request_id: str, tokens: int, finished_at: Optional[float] = None) -> None:
         sample = RequestSample(accept_length=max(1.0, spec.accept_length), head_version=spec.head_version,
                                domain=spec.domain, request_id=request_id, tpot_s=spec.tpot_s,
-                               finished_at=time.time() if finished_at is None else finished_at, tokens=tokens)
+                               finished_at=time.time() if finished_at is None else finished_at, tokens=tokens,
+                               context=spec.context_position)
         with self._lock:
             self._by_version.setdefault(sample.head_version, deque(maxlen=self.max)).append(sample)
 

@@ -121,6 +121,19 @@ def test_replay_samples_become_request_samples(stack, tmp_path):
     assert feed.scan() == "c3"  # the newest replaces an older waiting one
 
 
+def test_replay_rows_carry_a_context_position_when_written_with_one():
+    """Rows of [request_id, domain, accept_length, context position]; rows written before it have 3 elements and
+    are not sliced by context (the policy's context guard leaves them out)."""
+    metrics = {"replay": {"champion_version": "v1", "samples": {
+        "candidate": [["r0", "chat", 2.0, 4100], ["r1", None, 1.5]], "champion": [["r0", "chat", 1.2, 4100]]}}}
+    champ, cand = replay_samples(metrics, "c1")
+    assert [(s.request_id, s.context) for s in cand] == [("r0", 4100), ("r1", None)]
+    assert champ[0].context == 4100
+    bad = {"replay": {"samples": {"candidate": [["r0", "chat", 2.0, 1, 2]]}}}
+    with pytest.raises(ValueError, match="context_position"):
+        replay_samples(bad, "c1")
+
+
 def stack_config(tmp_path, seed_head):
     return parse_stack_config({
         "state_dir": str(tmp_path / "state"),
