@@ -346,13 +346,42 @@ class RingTTTAttention:
 
 @dataclass(frozen=True)
 class SeqParOutput:
-    local_loss: torch.Tensor  # scalar: this rank's share (the shares sum to ttt_loss's loss); backward gives this rank's share of the gradient
+    local_loss: torch.Tensor  # scalar: this rank's share (the shares sum to ttt_loss's loss, their gradients too)
     loss: float  # the whole batch's loss (every rank's share)
-    ttt: TTTOutput  # step statistics of the whole batch; its loss is local_loss; row_* for this rank's chain rows only
+    ttt: TTTOutput  # step statistics of the whole batch; its loss is local_loss; row_* for this rank's chain rows
 
     def objective(self) -> torch.Tensor:
         """local_loss's gradient with the whole loss's value (what train_step reports)."""
         return self.local_loss + (self.loss - self.local_loss.detach())
+
+
+def _check(head: Eagle3DraftHead, shard: SeqShard, ring: Ring, steps: int, attention_chunk: int) -> None:
+    """Refuse what the ranks cannot compute exactly, before any exchange."""
+    if head.cfg.num_experts > 1:
+        raise ValueError(f"num_experts {head.cfg.num_experts}: sequence parallel needs a dense head (num_experts 1); "
+                         "the router's load-balancing loss is not a sum over positions")
+    if attention_chunk is None or attention_chunk < 1:
+        raise ValueError(f"attention_chunk {attention_chunk} must be >= 1")
+    if shard.halo < min(steps, shard.loss_mask.shape[1] - shard.end):
+        raise ValueError(f"shard halo {shard.halo} must be >= steps {steps} (or reach the rows' end)")
+    if ring.bounds != shard.bounds or ring.rank != shard.rank:
+        raise ValueError(f"shard of rank {shard.rank} with bounds {shard.bounds} on ring rank {ring.rank} "
+                         f"with bounds {ring.bounds}")
+
+
+def _whole_batch(local: torch.Tensor, stats: torch.Tensor, ring: Ring, rows: torch.Tensor, start: int,
+                 row_eligible: torch.Tensor, row_accepted: torch.Tensor) -> SeqParOutput:
+    """Every rank's statistics summed (one all-reduce): stats [5, steps] = CE sum, correct, count, accept,
+    eligible of this rank's rows."""
+    steps = stats.shape[1]
+    totals = torch.cat([stats.flatten(), local.detach().double().reshape(1)])
+    dist.all_reduce(totals, group=ring.group)
+    stats, loss = totals[:-1].view(5, steps), float(totals[-1])
+    step_loss = [float(stats[0, j] / stats[2, j]) if stats[2, j] else 0.0 for j in range(steps)]
+    correct, count, accept, eligible = ([int(x) for x in stats[i].tolist()] for i in range(1, 5))
+    ttt = TTTOutput(local, step_loss, correct, count, accept, eligible, rows[:, 1] + start, row_eligible,
+                    row_accepted)
+    return SeqParOutput(local, loss, ttt)
 
 
 def seqpar_ttt_loss(
@@ -368,17 +397,8 @@ def seqpar_ttt_loss(
     """trainer/ttt.py's `ttt_loss` over the whole batch, computed by the ranks of `ring` together, each on its
     `shard` (see the module docstring). Every rank must call it with the same arguments but its own shard; with
     `max_loss_rows` the generators must be in the same state on every rank."""
-    if head.cfg.num_experts > 1:
-        raise ValueError(f"num_experts {head.cfg.num_experts}: sequence parallel needs a dense head (num_experts 1); "
-                         "the router's load-balancing loss is not a sum over positions")
-    if attention_chunk is None or attention_chunk < 1:
-        raise ValueError(f"attention_chunk {attention_chunk} must be >= 1")
-    bsz, t = shard.loss_mask.shape
-    if shard.halo < min(steps, t - shard.end):
-        raise ValueError(f"shard halo {shard.halo} must be >= steps {steps} (or reach the rows' end)")
-    if ring.bounds != shard.bounds or ring.rank != shard.rank:
-        raise ValueError(f"shard of rank {shard.rank} with bounds {shard.bounds} on ring rank {ring.rank} "
-                         f"with bounds {ring.bounds}")
+    _check(head, shard, ring, steps, attention_chunk)
+    bsz = shard.loss_mask.shape[0]
     dev = shard.window.input_ids.device
     start, end = shard.start, shard.end
     valid_all = [step_valid_mask(shard.loss_mask, shard.lengths, j) for j in range(steps)]  # [B, T] each
@@ -429,17 +449,10 @@ def seqpar_ttt_loss(
             row_eligible[j] = alive & valid_rows
             alive = alive & valid_rows & hit_rows
             row_accepted[j] = alive
-            stats[:, j] = torch.tensor([float(ce) * m, int(hit.sum()), m, int(alive.sum()), int(row_eligible[j].sum())],
-                                       dtype=torch.float64)
+            stats[:, j] = torch.tensor([float(ce) * m, int(hit.sum()), m, int(alive.sum()),
+                                        int(row_eligible[j].sum())], dtype=torch.float64)
     local = _Join.apply(local, *attend.ring_outputs)
-    totals = torch.cat([stats.flatten(), local.detach().double().reshape(1)])
-    dist.all_reduce(totals, group=ring.group)
-    stats, loss = totals[:-1].view(5, steps), float(totals[-1])
-    step_loss = [float(stats[0, j] / stats[2, j]) if stats[2, j] else 0.0 for j in range(steps)]
-    ints = [[int(x) for x in stats[i].tolist()] for i in range(1, 5)]
-    ttt = TTTOutput(local, step_loss, ints[0], ints[1], ints[2], ints[3], rows[:, 1] + start, row_eligible,
-                    row_accepted)
-    return SeqParOutput(local, loss, ttt)
+    return _whole_batch(local, stats, ring, rows, start, row_eligible, row_accepted)
 
 
 def sequence_parallel_step(target, head: Eagle3DraftHead, optimizer: torch.optim.Optimizer, rows, step: int,

@@ -109,10 +109,11 @@ def train_step(
     type. `schedule` None keeps the optimizer's current lr. `generator` samples the scored chains
     when cfg.max_loss_rows caps them. `objective(batch) -> (loss, TTTOutput)` replaces the TTT loss
     of `head` (trainer/scaleout.py passes its DistributedDataParallel wrapper of the same loss, so
-    backward averages the gradients over the workers). `reduce_gradients(params)` runs after backward and before
-    clipping (trainer/seqpar.py sums the ranks' shares of the gradient there). A non-finite gradient norm skips the update (the parameters
-    and the optimizer state are left as they were) and says so in ``StepStats.skipped``: one bad
-    batch of live traffic must not poison a continually trained head.
+    backward averages the gradients over the workers). `reduce_gradients(params)` runs after backward
+    and before clipping (trainer/seqpar.py sums the ranks' shares of the gradient there). A non-finite
+    gradient norm skips the update (the parameters and the optimizer state are left as they were) and
+    says so in ``StepStats.skipped``: one bad batch of live traffic must not poison a continually
+    trained head.
     """
     if schedule is not None:
         set_lr(optimizer, schedule(step))
