@@ -30,8 +30,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 
 RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1000)
 CONTEXT_LABELS = bucket_labels(DEFAULT_EDGES)  # the only values of the `context` label
 CONTEXT_HELP = ("context bucket of the position each verify step's first draft predicts (prompt tokens + 1 + "
-                "the tokens committed before the step; buckets 0-512, 512-1k, 1-2k, 2-4k, 4-8k, 8k+; on the SGLang backend, which does not "
-                "report the order of a request's steps, the positions within a request are approximate)")
+                "the tokens committed before the step; buckets " + ", ".join(CONTEXT_LABELS) + "; on the SGLang "
+                "backend, which does not report the order of a request's steps, the positions within a request are "
+                "approximate)")
 
 
 def context_fields(trace: TraceRecord) -> dict:

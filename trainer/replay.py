@@ -30,6 +30,7 @@ import torch
 
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.drafting import HeadFeed, draft_tree
+from adaptive_eagle.positions import context_position
 from adaptive_eagle.targets import Target
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.tree import DraftTree
@@ -60,6 +61,9 @@ class RecordReplay:
     request_id: str
     domain: str | None
     accepted: tuple[int, ...]  # per verify step: draft tokens accepted (bonus not counted)
+    # the record's context position (prompt + half the generated tokens, adaptive_eagle.positions), the same for
+    # every head replayed on it: the policy's context guard slices by it. None: not known
+    context: int | None = None
 
     @property
     def steps(self) -> int:
@@ -125,7 +129,7 @@ def replay_record(head: Eagle3DraftHead, record: TraceRecord, aux: torch.Tensor,
         accepted.append(a)
         feed.add(ids[root_pos + 1 : root_pos + a + 2], aux[root_pos : root_pos + a + 1], root_pos)
         root_pos += a + 1
-    return RecordReplay(record.request_id, record.domain, tuple(accepted))
+    return RecordReplay(record.request_id, record.domain, tuple(accepted), context=context_position(n_prompt, len(gen)))
 
 
 def record_aux(target: Target | None, record: TraceRecord, aux_layer_ids: Sequence[int]) -> torch.Tensor:
@@ -191,7 +195,7 @@ class ReplayScore:
     def samples(self, version: str) -> list[dict]:
         """Per-record samples for the policy's gates (policies.samples.RequestSample fields)."""
         return [{"accept_length": r.accept_length, "head_version": version, "domain": r.domain,
-                 "request_id": r.request_id, "tokens": sum(r.accepted) + r.steps}
+                 "request_id": r.request_id, "tokens": sum(r.accepted) + r.steps, "context": r.context}
                 for r in self.records if r.steps]
 
 
@@ -245,13 +249,14 @@ def replay_heads(heads: dict[str, Eagle3DraftHead], records: Sequence[TraceRecor
 def replay_metrics(candidate: ReplayScore, champion: ReplayScore | None, champion_version: str, tree: TreeParams,
                    skipped: dict, greedy_records: int | None = None) -> dict:
     """What a candidate's head.json records of its replay: both summaries and the per-record samples
-    ([request_id, domain, accept_length]) the policy's offline gate pairs by request id. With no
+    ([request_id, domain, accept_length, context position]) the policy's offline gate pairs by request id. With no
     champion head (plain decoding, "none"), every record scores 1.0 for the champion. greedy_records: how
     many replayed records were greedy; `exact` says whether all were (the replay is then what each head
     would have served, and the policy's canary only checks live health)."""
     champ = (champion.samples(champion_version) if champion is not None
              else [{**s, "accept_length": 1.0, "head_version": "none"} for s in candidate.samples("none")])
-    row = lambda s: [s["request_id"], s["domain"], round(s["accept_length"], 4)]  # noqa: E731
+    row = lambda s: [s["request_id"], s["domain"], round(s["accept_length"], 4)] + (  # noqa: E731
+        [s["context"]] if s.get("context") is not None else [])
     return {"records": len(candidate.records), "skipped": skipped, "tree": tree.__dict__,
             "candidate": candidate.summary(), "champion": champion.summary() if champion is not None else None,
             "champion_version": champion_version, "greedy_records": greedy_records,

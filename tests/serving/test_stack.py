@@ -134,6 +134,27 @@ def test_replay_rows_carry_a_context_position_when_written_with_one():
         replay_samples(bad, "c1")
 
 
+def test_held_out_replay_hands_the_policy_each_record_s_context_position():
+    """Two heads replayed on the same captured records: every sample of a record has the same context position
+    (prompt + half the generated tokens), the rows of head.json carry it, and the feed reads it back."""
+    from adaptive_eagle.positions import context_position
+    from tests.adaptive_eagle.test_engine import tiny_setup
+    from tests.trainer.test_replay import SERVE, captured_records
+    from trainer.replay import TreeParams, replay_heads, replay_metrics
+
+    target, head = tiny_setup(seed=3)
+    _, other = tiny_setup(seed=4)
+    torch.manual_seed(0)
+    records = captured_records(target, head, [torch.randint(0, 32, (n,)).tolist() for n in (5, 9, 14)], max_tokens=12)
+    tree = TreeParams(**{k: SERVE[k] for k in ("depth", "topk", "num_draft_tokens")})
+    report = replay_heads({"champion": head, "candidate": other}, records, target, tree)
+    metrics = {"replay": replay_metrics(report.scores["candidate"], report.scores["champion"], "v1", tree, {})}
+    champ, cand = replay_samples(metrics, "c1")
+    want = {r.request_id: context_position(r.loss_mask.index(1), sum(r.loss_mask)) for r in records}
+    assert {s.request_id: s.context for s in champ} == {s.request_id: s.context for s in cand} == want
+    assert all(len(row) == 4 for row in metrics["replay"]["samples"]["candidate"])
+
+
 def stack_config(tmp_path, seed_head):
     return parse_stack_config({
         "state_dir": str(tmp_path / "state"),
