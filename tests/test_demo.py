@@ -71,11 +71,11 @@ def test_user_prompts_keep_their_domains_and_bad_lines_are_named(tmp_path):
         jsonl_pools(str(path), 0)
 
 
-def result(i, phase, domain, started, tokens=10, steps=5, head="v1"):
+def result(i, phase, domain, started, tokens=10, steps=5, head="v1", by_context=()):
     return RequestResult(index=i, client=0, domain=domain, phase=phase, started_s=started, finished_s=started + 1,
                          prompt=Prompt(({"role": "user", "content": "x"},), domain), ok=True, request_id=f"r{i}",
                          text="t", completion_tokens=tokens, head_version=head, accept_length=tokens / steps,
-                         verify_steps=steps, tokens_per_s=20.0)
+                         verify_steps=steps, tokens_per_s=20.0, by_context=by_context)
 
 
 def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests():
@@ -140,8 +140,10 @@ def test_the_live_view_draws_a_panel_on_a_terminal_and_lines_elsewhere(tmp_path)
     from policies.log import PromotionLog
 
     stats = LiveStats()
-    for r in (result(0, 0, "english", 1), result(1, 1, "code", 3, 6, 6, "nl-1")):
+    for r in (result(0, 0, "english", 1, by_context=(("512-1k", 3, 3), ("0-512", 2, 2))),
+              result(1, 1, "code", 3, 6, 6, "nl-1", by_context=(("512-1k", 6, 0),))):
         stats.add(r)
+    assert stats.by_context() == {"0-512": (2.0, 1), "512-1k": (1 + 3 / 9, 2)}  # bucket order, steps pooled
     PromotionLog(tmp_path / "promotions.jsonl").record("considered", candidate="nl-1", champion="v1",
                                                        reason="offline gate on 20 replayed records")
     status = {"state": "training", "records_seen": 2, "tokens_trained": 4096, "loss": 3.2, "candidates": 1,
@@ -154,7 +156,9 @@ def test_the_live_view_draws_a_panel_on_a_terminal_and_lines_elsewhere(tmp_path)
     view.close()
     text = "\n".join(printed)
     assert "gate" in text and "considered" in text and "english 2.000" in text and "4,096 tokens trained" in text
+    assert "accept length by context: 0-512 2.000 (n=1), 512-1k 1.333 (n=2)" in text
     console = Console(record=True, width=140)
     console.print(view.panel())
     drawn = console.export_text()
     assert "head nl-1" in drawn and "1.000" in drawn and "considered" in drawn
+    assert "context 512-1k tokens" in drawn and "1.333" in drawn

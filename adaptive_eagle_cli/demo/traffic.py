@@ -48,6 +48,7 @@ class RequestResult:
     verify_steps: int = 0
     tokens_per_s: float = 0.0
     captured: str = ""
+    by_context: tuple[tuple[str, int, int], ...] = ()  # the response's (context bucket, verify steps, accepted drafts)
 
 
 # ---- prompt pools ---------------------------------------------------------------------------------
@@ -208,7 +209,8 @@ class Traffic:
                              text=text or "", completion_tokens=tokens, head_version=str(spec.get("head_version", "")),
                              accept_length=float(spec.get("accept_length", 0.0)),
                              verify_steps=int(spec.get("verify_steps", 0)),
-                             tokens_per_s=float(spec.get("tokens_per_s", 0.0)), captured=str(spec.get("captured", "")))
+                             tokens_per_s=float(spec.get("tokens_per_s", 0.0)), captured=str(spec.get("captured", "")),
+                             by_context=tuple((str(b), int(n), int(a)) for b, n, a in spec.get("by_context") or ()))
 
 
 __all__ = ["Prompt", "PromptCycle", "RequestResult", "Traffic", "bench_workloads", "jsonl_pools", "sharegpt_pools"]

@@ -1,8 +1,10 @@
 """The demo's live view: a rich Live panel on a terminal, plain periodic lines elsewhere (CI, pipes).
 
 Owns: `LiveStats` (the finished requests so far: requests/s and tokens/s over a recent window, live
-accept length per domain and per head version, failures), polling the trainer's status, tailing the
-promotion log for gate decisions as they happen, and drawing all of it. Must not touch: the stack's
+accept length per domain, per head version and per context length (each verify step in the bucket of the
+position its first draft predicts, as the responses' `adaptive_eagle.by_context` reports it), failures),
+polling the trainer's status, tailing the promotion log for gate decisions as they happen, and drawing all
+of it. Must not touch: the stack's
 parts (it only reads the trainer's status and the log file), the traffic.
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from adaptive_eagle.positions import bucket_labels
 from adaptive_eagle_cli.demo.traffic import RequestResult
 
 WINDOW_S = 60.0  # requests/s and tokens/s over the last minute
@@ -52,6 +55,19 @@ class LiveStats:
             tail = rs[-last:] if last else rs
             out[k] = (sum(r.accept_length * r.verify_steps for r in tail) / sum(r.verify_steps for r in tail), len(rs))
         return out
+
+    def by_context(self) -> dict[str, tuple[float, int]]:
+        """context bucket -> (accept length as 1 + accepted drafts / verify steps of the steps in it, requests with
+        a step in it), in bucket order, over every finished request."""
+        steps: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for r in self.snapshot():
+            if r.ok:
+                for bucket, n, accepted in r.by_context:
+                    t = steps[bucket]
+                    t[0], t[1], t[2] = t[0] + n, t[1] + accepted, t[2] + 1
+        order = {b: i for i, b in enumerate(bucket_labels())}
+        return {b: (1.0 + a / n if n else 1.0, k) for b, (n, a, k) in sorted(steps.items(),
+                                                                           key=lambda kv: order.get(kv[0], len(order)))}
 
     def failures(self) -> int:
         return sum(not r.ok for r in self.snapshot())
@@ -143,7 +159,7 @@ class LiveView:
             live.update(self.panel())
 
     def lines(self) -> list[str]:
-        """The plain form: one line of traffic, one per domain and head version, the trainer's."""
+        """The plain form: one line of traffic, one per domain, head version and context length, the trainer's."""
         now = self.elapsed()
         rps, tps = self.stats.rates(now)
         out = [f"[{now:6.0f}s {self.phase_name(now)}] {rps:.2f} req/s {tps:.1f} tok/s | "
@@ -155,6 +171,8 @@ class LiveView:
                                                                           for d, (a, n) in dom.items()))
         if heads:
             out.append("  accept length by head: " + ", ".join(f"{h} {a:.3f} (n={n})" for h, (a, n) in heads.items()))
+        if ctx := self.stats.by_context():
+            out.append("  accept length by context: " + ", ".join(f"{b} {a:.3f} (n={n})" for b, (a, n) in ctx.items()))
         out.append("  " + trainer_line(self.status))
         return out
 
@@ -176,6 +194,8 @@ class LiveView:
             acc.add_row(f"domain {d} (last {RECENT})", f"{a:.3f}", str(n))
         for h, (a, n) in self.stats.by(lambda r: r.head_version).items():
             acc.add_row(f"head {h}", f"{a:.3f}", str(n))
+        for b, (a, n) in self.stats.by_context().items():
+            acc.add_row(f"context {b} tokens", f"{a:.3f}", str(n))
         gates = Table(title="gate decisions (promotion log)", expand=True)
         gates.add_column("")
         for e in self.tail.events[-6:]:

@@ -66,6 +66,9 @@ def test_chat_returns_plain_greedy_text_and_its_speculative_metrics(client, stac
     assert ae["head_version"] == "v1" and ae["accept_length"] >= 1.0 and ae["verify_steps"] >= 1
     assert ae["draft_tokens"] > 0 and ae["backend"] == "reference" and ae["replica"].startswith("replica-")
     assert resp.usage.completion_tokens >= 1 and resp.usage.prompt_tokens == 5
+    # a 5-token prompt: every verify step of the request drafts in the first context bucket
+    assert [b for b, _, _ in ae["by_context"]] == ["0-512"] and ae["by_context"][0][1] == ae["verify_steps"]
+    assert ae["by_context"][0][2] == ae["accepted_drafts"] and ae["context_position"] >= 5
 
 
 def test_streaming_chat_assembles_the_same_text_and_ends_with_metrics(client, stack):
