@@ -123,7 +123,7 @@ def _worker_loop(config: dict) -> None:
         kind, payload = inbox.get()
         try:
             if kind == "stop":
-                outbox.put((rank, "stopped", None))
+                outbox.put((rank, "stop", None))  # the answer _collect("stop") waits for
                 return
             if kind == "load":
                 head = head_from_weights(payload["config"], payload["state"], target).float().to(device).train()
