@@ -6,7 +6,9 @@ Owns: the evidence's format (one JSON file per candidate, `<registry>/evidence/<
 atomically so a reader never sees half a file), its validation, reading and writing. Must not touch: the
 gates (policies/), training (trainer/).
 
-A row is one record: [request_id, domain, champion's accept length, candidate's accept length, greedy]. Rows
+A row is one record: [request_id, domain, champion's accept length, candidate's accept length, greedy,
+context] (context: the record's context position, adaptive_eagle.positions.context_position, which the
+policy's context-length guard slices by; rows of files written before it have five elements). Rows
 are in arrival order (the order the trainer read the records), which the sequential gate relies on. `open`
 is true while the trainer still adds rows; it closes the file with a reason (the evidence cap, a newer
 snapshot, the champion changed, the trainer restarted from it), after which the gate decides on what is there.
@@ -27,7 +29,8 @@ from adaptive_eagle.atomic import atomic_write_text
 EVIDENCE_DIR = "evidence"
 EVIDENCE_FORMAT = 1
 
-Row = tuple[str, Optional[str], float, float, bool]  # request_id, domain, champion, candidate, greedy
+# request_id, domain, champion, candidate, greedy[, context position]
+Row = tuple[str, Optional[str], float, float, bool] | tuple[str, Optional[str], float, float, bool, Optional[int]]
 
 
 class EvidenceError(ValueError):
@@ -76,8 +79,10 @@ class CandidateEvidence(BaseModel):
         """Every record greedy: the replay is what each head would have served."""
         return bool(self.rows) and self.greedy == len(self.rows)
 
-    def add(self, request_id: str, domain: Optional[str], champion: float, candidate: float, greedy: bool) -> None:
-        self.rows.append((request_id, domain, round(float(champion), 4), round(float(candidate), 4), bool(greedy)))
+    def add(self, request_id: str, domain: Optional[str], champion: float, candidate: float, greedy: bool,
+            context: Optional[int] = None) -> None:
+        self.rows.append((request_id, domain, round(float(champion), 4), round(float(candidate), 4), bool(greedy),
+                          None if context is None else int(context)))
 
     def close(self, reason: str) -> None:
         self.open, self.closed_reason = False, reason

@@ -60,8 +60,11 @@ def prequential(metrics: dict) -> bool:
 
 def evidence_samples(ev: CandidateEvidence) -> tuple[list[RequestSample], list[RequestSample]]:
     """(champion samples, candidate samples) of test-then-train evidence, in arrival order."""
-    champ = [RequestSample(accept_length=a, head_version=ev.champion, domain=d, request_id=r) for r, d, a, _, _ in ev.rows]
-    cand = [RequestSample(accept_length=b, head_version=ev.version, domain=d, request_id=r) for r, d, _, b, _ in ev.rows]
+    champ, cand = [], []
+    for r, d, a, b, _, *rest in ev.rows:
+        context = rest[0] if rest else None  # five-element rows (older files): not sliced by context length
+        champ.append(RequestSample(accept_length=a, head_version=ev.champion, domain=d, request_id=r, context=context))
+        cand.append(RequestSample(accept_length=b, head_version=ev.version, domain=d, request_id=r, context=context))
     return champ, cand
 
 

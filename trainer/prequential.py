@@ -117,7 +117,7 @@ class EvidenceBook:
                     continue
                 base = champ.records[i].accept_length if champ is not None else 1.0
                 snap.evidence.add(rep.request_id, rep.domain, max(1.0, base), max(1.0, rep.accept_length),
-                                  greedy.get(rep.request_id, False))
+                                  greedy.get(rep.request_id, False), rep.context)
                 added += 1
             if len(snap.evidence.rows) >= self.max_records:
                 self._close(snap, f"{self.max_records} records (trainer.candidate_evidence_records)")
@@ -135,7 +135,7 @@ class EvidenceBook:
             return None
         rows = rich.evidence.rows
         domains: dict[str, list[float]] = {}
-        for _, d, _, cand, _ in rows:
+        for _, d, _, cand, *_ in rows:
             domains.setdefault(d or "untagged", []).append(cand)
         return {"accept_length": float(np.mean([r[3] for r in rows])),
                 "domains": {d: {"accept_length": float(np.mean(v)), "records": len(v)} for d, v in domains.items()}}

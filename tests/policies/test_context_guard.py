@@ -124,3 +124,27 @@ def test_context_edges_are_range_checked(edges):
 def test_the_guard_is_on_by_default():
     cfg = PolicyConfig()
     assert cfg.context_guard and cfg.context_edges == (0, 512, 1024, 2048, 4096, 8192)
+
+
+def test_test_then_train_evidence_carries_the_context_to_the_gate():
+    """The default evidence (prequential rows written by the trainer) reaches the gate with each record's
+    context position; rows of older five-element files are read, and only those are left unsliced."""
+    from adaptive_eagle.evidence import CandidateEvidence
+    from serving.candidates import evidence_samples
+
+    cfg = small_config(min_samples=200, offline_max_samples=5000)
+    champion, candidate = short_gain_long_loss()
+    order = np.random.default_rng(1).permutation(len(champion))
+    ev = CandidateEvidence(version="v2", champion="v1")
+    for i in order:
+        ev.add(champion[i].request_id, None, champion[i].accept_length, candidate[i].accept_length, True,
+               champion[i].context)
+    ev = CandidateEvidence.model_validate_json(ev.model_dump_json())  # as the policy reads the file
+    champ, cand = evidence_samples(ev)
+    assert [s.context for s in champ] == [champion[i].context for i in order] == [s.context for s in cand]
+    final = sequential_offline_gate(champ, cand, cfg, final=True)
+    assert final.action == REJECT and "context length 4-8k tokens" in final.reason
+    old = CandidateEvidence.model_validate({"version": "v2", "champion": "v1", "rows": [r[:5] for r in ev.rows]})
+    champ5, cand5 = evidence_samples(old)
+    assert all(s.context is None for s in champ5 + cand5)
+    assert sequential_offline_gate(champ5, cand5, cfg).action == PROMOTE
