@@ -40,7 +40,8 @@ def test_no_arguments_shows_help(runner):
         ("train-head", ["--out", "--target", "--domains", "--data-jsonl", "--token-budget", "--minutes", "--lr",
                         "--max-len", "--batch-tokens", "--draft-vocab-size", "--num-experts", "--warm-start",
                         "--resume", "--init-head", "--eval-every"]),
-        ("eval-head", ["--target", "--domains", "--convs", "--max-len", "--update-meta", "--json"]),
+        ("eval-head", ["--target", "--domains", "--convs", "--max-len", "--update-meta", "--json", "--by-position",
+                       "--sessions", "--buckets"]),
         ("export-head", ["--format"]),
         ("import-head", ["--target"]),
         ("demo", ["--minutes", "--out", "--scenario", "--prompts", "--clients", "--quick"]),
@@ -60,6 +61,24 @@ def test_eval_head_on_a_missing_directory(runner, tmp_path):
     assert "head.json" in res.output and "/nonexistent" in res.output
     res = invoke(runner, "eval-head", str(tmp_path))  # exists, but is not a head version
     assert res.exit_code != 0 and "head.json" in res.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--by-position", "--buckets", "0,512,256"], "--buckets: buckets 0,512,256: at least two edges, the first 0"),
+        (["--by-position", "--buckets", "512,1024"], "the first 0, strictly increasing"),
+        (["--by-position", "--buckets", "0,1k"], "comma-separated integers"),
+        (["--by-position", "--max-len", "8"], "--max-len 8: allowed 16..32768"),
+        (["--max-len", "40000"], "--max-len 40000: allowed 16..32768"),
+        (["--by-position", "--sessions", "0"], "--sessions"),
+    ],
+)
+def test_eval_head_by_position_refuses_bad_buckets_and_lengths(runner, args, message):
+    """Checked before any model or data is loaded (the head argument is the shipped head)."""
+    res = invoke(runner, "eval-head", *args)
+    assert res.exit_code != 0
+    assert message in res.output
 
 
 @pytest.mark.parametrize(

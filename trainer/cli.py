@@ -140,7 +140,8 @@ def eval_head(
         typer.echo(json.dumps(res))
 
 
-def _eval_on_store(heads, store_opts, target, domains, window, records, registry, tree_opts, as_json) -> None:
+def _eval_on_store(heads, store_opts, target, domains, window, records, registry, tree_opts, as_json,
+                   edges=None) -> None:
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
@@ -161,7 +162,7 @@ def _eval_on_store(heads, store_opts, target, domains, window, records, registry
                                          progress=lambda done, total: bar.update(task, completed=done, total=total))
     except (StoreUnavailable, FileNotFoundError, HeadValidationError, RegistryError, ValueError) as e:
         fail(str(e))
-    out = {**report.summary(), "store": facts}
+    out = {**report.summary(edges), "store": facts}
     if as_json:
         typer.echo(json.dumps(out))
         return
@@ -175,8 +176,24 @@ def _eval_on_store(heads, store_opts, target, domains, window, records, registry
         for d, ds in s.by_domain().items():
             t.add_row("", d or "untagged", str(len(ds.records)), f"{ds.mean:.3f}", f"{ds.quantile(0.05):.3f}", "")
     Console(width=160).print(t)
+    if edges is not None:
+        _position_table(out["heads"], Console(width=160))
     if report.skipped:
         typer.echo("skipped: " + ", ".join(f"{k}: {v}" for k, v in report.skipped.items()))
+
+
+def _position_table(heads: dict, console) -> None:
+    """The replay's by-position slice (ReplayReport.summary(edges)) of each head as one table."""
+    from rich.table import Table
+
+    t = Table(title="replay by context position")
+    for col in ("head", "bucket", "verify steps", "accept length", "0-α … 6-α"):
+        t.add_column(col)
+    for name, s in heads.items():
+        for k, b in enumerate(s["by_position"]):
+            t.add_row(name if k == 0 else "", b["bucket"], str(b["steps"]), f"{b['accept_length']:.3f}",
+                      " ".join(f"{a:.2f}" for a in b["alpha"]))
+    console.print(t)
 
 
 @trainer_app.command("calibrate-head")

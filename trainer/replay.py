@@ -34,6 +34,7 @@ from adaptive_eagle.positions import context_position
 from adaptive_eagle.targets import Target
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.tree import DraftTree
+from trainer.positions import DEFAULT_EDGES, bucket_label, bucket_of, buckets_below, check_edges
 
 ALPHA_POSITIONS = 7  # 0-α … 6-α
 
@@ -61,6 +62,7 @@ class RecordReplay:
     request_id: str
     domain: str | None
     accepted: tuple[int, ...]  # per verify step: draft tokens accepted (bonus not counted)
+    positions: tuple[int, ...] = ()  # per verify step: context position of its first draft (trainer.positions)
     # the record's context position (prompt + half the generated tokens, adaptive_eagle.positions), the same for
     # every head replayed on it: the policy's context guard slices by it. None: not known
     context: int | None = None
@@ -120,8 +122,9 @@ def replay_record(head: Eagle3DraftHead, record: TraceRecord, aux: torch.Tensor,
     aux = aux.to(device=device, dtype=head.dtype)
     feed = HeadFeed.empty(head, len(ids) + tree.depth + 2, device)
     feed.add(ids[1 : n_prompt + 1], aux[:n_prompt], 0)
-    root_pos, accepted = n_prompt, []
+    root_pos, accepted, positions = n_prompt, [], []
     while root_pos + 1 < len(ids):
+        positions.append(root_pos + 1)
         t = draft_tree(head, feed.cache, feed.root(), root_pos, depth=tree.depth, topk=tree.topk,
                        budget=tree.num_draft_tokens, min_path_prob=tree.min_path_prob)
         a = accepted_along(t, ids[root_pos + 1 :]) if t.size else 0
@@ -129,7 +132,8 @@ def replay_record(head: Eagle3DraftHead, record: TraceRecord, aux: torch.Tensor,
         accepted.append(a)
         feed.add(ids[root_pos + 1 : root_pos + a + 2], aux[root_pos : root_pos + a + 1], root_pos)
         root_pos += a + 1
-    return RecordReplay(record.request_id, record.domain, tuple(accepted), context=context_position(n_prompt, len(gen)))
+    return RecordReplay(record.request_id, record.domain, tuple(accepted), tuple(positions),
+                        context=context_position(n_prompt, len(gen)))
 
 
 def record_aux(target: Target | None, record: TraceRecord, aux_layer_ids: Sequence[int]) -> torch.Tensor:
@@ -181,6 +185,25 @@ class ReplayScore:
             groups.setdefault(r.domain or "", []).append(r)
         return {d: ReplayScore(tuple(rs)) for d, rs in sorted(groups.items())}
 
+    def by_position(self, edges: Sequence[int] = DEFAULT_EDGES) -> list[dict]:
+        """The replay sliced by where each verify step starts in the context (trainer.positions): per
+        bucket, verify steps, tokens per step (bonus included) and j-α. Buckets up to the furthest step;
+        records replayed without positions are left out."""
+        check_edges(edges)
+        steps = [(p, a) for r in self.records if len(r.positions) == r.steps for p, a in zip(r.positions, r.accepted)]
+        furthest = max((p for p, _ in steps), default=0)
+        groups: dict[int, list[int]] = {}
+        for p, a in steps:
+            groups.setdefault(bucket_of(p, edges), []).append(a)
+        out = []
+        for i, (lo, hi) in enumerate(buckets_below(edges, furthest + 1)):
+            acc = groups.get(i, [])
+            score = ReplayScore((RecordReplay("", None, tuple(acc)),))
+            out.append({"bucket": bucket_label(lo, hi), "start": lo, "end": hi, "steps": len(acc),
+                        "accepted": sum(acc), "accept_length": round(score.mean, 4),
+                        "alpha": [round(a, 4) for a in score.alpha()]})
+        return out
+
     def summary(self) -> dict:
         out = {"records": len(self.records), "steps": sum(r.steps for r in self.records),
                "accept_length": round(self.mean, 4), "p5_accept_length": round(self.quantile(0.05), 4),
@@ -206,8 +229,11 @@ class ReplayReport:
     scores: dict[str, ReplayScore] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> records left out
 
-    def summary(self) -> dict:
-        return {"heads": {name: s.summary() for name, s in self.scores.items()}, "skipped": dict(self.skipped)}
+    def summary(self, edges: Sequence[int] | None = None) -> dict:
+        """Per head: ReplayScore.summary(); with `edges`, also its by-position slice under "by_position"."""
+        heads = {name: {**s.summary(), **({"by_position": s.by_position(edges)} if edges is not None else {})}
+                 for name, s in self.scores.items()}
+        return {"heads": heads, "skipped": dict(self.skipped)}
 
 
 def replay_heads(heads: dict[str, Eagle3DraftHead], records: Sequence[TraceRecord], target: Target | None,

@@ -22,11 +22,18 @@ from trainer.data import Conversation, DataError, Message, TokenizedExample, cla
 @dataclass(frozen=True)
 class LongSession:
     """One chained chat. `conversation` holds every message of the chained conversations (the last
-    one may run past max_tokens); `example` is its rendering cut at max_tokens."""
+    one may run past max_tokens); `example` is its rendering cut at max_tokens. Its domain is the
+    chained conversations' common domain (classify_domain of the whole chat when they differ)."""
 
     conversation: Conversation
     example: TokenizedExample
-    sources: tuple[str, ...]  # ids of the chained conversations, in order
+    parts: tuple[Conversation, ...]  # the chained conversations as they appear in it (system messages dropped)
+    starts: tuple[int, ...]  # token index in `example` where each part's first message begins
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Ids of the chained conversations, in order."""
+        return tuple(p.id for p in self.parts)
 
 
 def _turns(conv: Conversation) -> tuple[Message, ...]:
@@ -51,29 +58,29 @@ def long_sessions(conversations: Iterable[Conversation], tokenizer, *, min_token
 
 
 def _sessions(convs: Iterator[Conversation], tokenizer, min_tokens: int, max_tokens: int, n: int):
-    made = 0
-    msgs: list[Message] = []
-    sources: list[str] = []
-    domains: set[str] = set()
+    made, rendered = 0, 0  # rendered: tokens of the chain so far (whole: it stayed under min_tokens)
+    parts: list[Conversation] = []
+    starts: list[int] = []
     for conv in convs:
         turns = _turns(conv)
         if not turns:
             continue
-        msgs += turns
-        sources.append(conv.id)
-        domains.add(conv.domain)
+        parts.append(Conversation(conv.id, turns, conv.domain))
+        starts.append(rendered)
+        msgs = tuple(m for p in parts for m in p.messages)
+        domains = {p.domain for p in parts}
         domain = next(iter(domains)) if len(domains) == 1 else classify_domain(msgs)
-        chat = Conversation(id="+".join(sources), messages=tuple(msgs), domain=domain)
-        example = render(chat, tokenizer, max_tokens)
-        if len(example.input_ids) < min_tokens:
+        example = render(Conversation("+".join(p.id for p in parts), msgs, domain), tokenizer, max_tokens)
+        rendered = len(example.input_ids)
+        if rendered < min_tokens:
             continue
-        session_id = f"session-{made}:{sources[0]}+{len(sources) - 1}"
-        example = TokenizedExample(session_id, chat.domain, example.input_ids, example.loss_mask)
-        yield LongSession(Conversation(session_id, chat.messages, chat.domain), example, tuple(sources))
+        session_id = f"session-{made}:{parts[0].id}+{len(parts) - 1}"
+        example = TokenizedExample(session_id, domain, example.input_ids, example.loss_mask)
+        yield LongSession(Conversation(session_id, msgs, domain), example, tuple(parts), tuple(starts))
         made += 1
         if made == n:
             return
-        msgs, sources, domains = [], [], set()
+        parts, starts, rendered = [], [], 0
 
 
 __all__ = ["LongSession", "long_sessions"]
