@@ -105,7 +105,7 @@ class StoreWriter:
                 with self._lock:
                     self._c["opted_out"] += 1
                 return False
-            nbytes = 8 * len(record.input_ids) + (record.aux_hidden.nbytes if record.aux_hidden is not None else 0)
+            nbytes = queued_bytes(record)
             with self._lock:
                 refused = ("closed" if self._stop else "flusher_dead" if self._state == "dead" else
                            "queue_full" if (len(self._q) >= self.cfg.queue_max_records
@@ -296,12 +296,24 @@ class StoreWriter:
             log.warning("feature store: retention pass failed: %s", e)
 
 
+def queued_bytes(record: TraceRecord) -> int:
+    """What a record weighs in the put() queue (before encoding): its ids and hidden states."""
+    return 8 * len(record.input_ids) + sum(h.nbytes for h in (record.aux_hidden, record.final_hidden) if h is not None)
+
+
 def write_records(config: StoreConfig, records: Iterable[TraceRecord], timeout: float = 60.0) -> WriterStats:
     """Store `records` in bulk (seeding a store: tests, benchmarks) and wait until they are written. Unlike a
-    server's `put`, a record that is not stored is an error: raises RuntimeError saying how many were lost."""
+    server's `put`, which drops what a full queue refuses, this waits for the queue to drain before a record
+    that would not fit (long records weigh tens of MB each); a record that is still not stored is an error:
+    raises RuntimeError saying how many were lost."""
     writer, n = StoreWriter(config), 0
     try:
         for record in records:
+            with writer._lock:
+                full = (len(writer._q) >= config.queue_max_records
+                        or writer._q_bytes + queued_bytes(record) > config.queue_max_bytes)
+            if full:
+                writer.flush(timeout)
             writer.put(record)
             n += 1
         writer.flush(timeout)

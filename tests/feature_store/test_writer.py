@@ -110,6 +110,18 @@ def test_write_records_stores_every_record_or_says_how_many_were_lost(local_cfg)
         write_records(cfg, [make_record(5), make_record(6, capture_consent=False)])
 
 
+def test_write_records_waits_for_the_queue_instead_of_dropping_long_records(local_cfg):
+    """Records heavier than the put() queue holds at once (long sessions: tens of MB of hidden states) are all
+    stored by the bulk writer, which waits for the queue to drain; a server's put() would drop them."""
+    from feature_store.writer import queued_bytes
+
+    records = [make_record(i) for i in range(12)]
+    cfg = local_cfg(queue_max_bytes=3 * queued_bytes(records[0]))
+    stats = write_records(cfg, records)
+    assert stats.written == 12 and stats.dropped == 0
+    assert len(StoreReader(cfg).read(20)) == 12
+
+
 class RefusingBackend(StubBackend):
     """A store that answers but raises `error` on every write while it is set (None: takes every write)."""
 
