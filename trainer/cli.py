@@ -40,6 +40,9 @@ def train_head(
                                    "output: lm_head + norm; none: random"),
     resume: bool = typer.Option(True, help="continue the run in --run-dir when it exists"),
     eval_every: int = typer.Option(100, help="steps between held-out acceptance evaluations"),
+    sequence_parallel: int = typer.Option(1, help="1: train in this process; N > 1 (2..64): split every batch's "
+                                          "rows by position over N Ray Train workers (each loads the target; a "
+                                          "local Ray is started when none runs); dense heads only"),
     seed: int = typer.Option(0),
 ) -> None:
     """Train an EAGLE-3 draft head with training-time test (7 unrolled steps) on ShareGPT or JSONL data.
@@ -59,9 +62,12 @@ def train_head(
             time_budget_min=minutes, lr=lr, max_len=max_len, batch_tokens=batch_tokens,
             max_loss_rows=max_loss_rows or None, draft_vocab_size=draft_vocab_size, vocab_coverage=vocab_coverage,
             num_experts=num_experts, warm_start=warm_start, eval_every=eval_every, seed=seed,
+            sequence_parallel=sequence_parallel,
         )
     except ValidationError as e:
-        fail(f"bad option: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+        err = e.errors()[0]
+        where = ".".join(str(part) for part in err["loc"])  # empty for a check across options
+        fail(f"bad option: {where + ': ' if where else ''}{err['msg']}")
     from adaptive_eagle.targets import cache_dir
 
     run = run_dir or cache_dir() / "runs" / out.name

@@ -4,11 +4,15 @@ Owns: the offline loop over tokenised conversations (length-bucketed batches, ta
 computed once per batch and reused by all TTT steps), its progress bar, resumable run state
 (safetensors + JSON, atomic), periodic held-out acceptance, and the final head export. The update
 itself (AdamW, warmup + cosine, TTT loss under autocast, clipping) is ``trainer.step.train_step``,
-the one step every loop calls. Must not touch: serving, the feature store.
+the one step every loop calls: in this process (`InProcessStep`), or with `sequence_parallel: N` on a
+Ray Train worker group that splits every batch's rows by position (`SequenceParallelStep`, through
+trainer.scaleout and trainer.seqpar). Must not touch: serving, the feature store.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -16,15 +20,16 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.draft_head import Eagle3DraftHead
-from adaptive_eagle.targets import Target
+from adaptive_eagle.targets import Target, load_target
 from trainer.data import TokenizedExample
 from trainer.positions import PositionTally
 from trainer.state import read_state, restore_optimizer, write_state
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
+from trainer.traffic import TrafficRow
 from trainer.ttt import TTTBatch, acceptance_summary, ttt_loss
 
 
@@ -60,6 +65,17 @@ class TrainHeadConfig(BaseModel, frozen=True):
     eval_every: int = Field(100, ge=1, description="steps between held-out evaluations")
     eval_convs: int = Field(24, ge=1)
     checkpoint_minutes: float = Field(5.0, gt=0)
+    sequence_parallel: int = Field(1, ge=1, le=64, description=(
+        "1: every step in this process. N > 1: every batch's rows split by position over N Ray Train workers "
+        "(trainer/seqpar.py: ring attention, the one-process loss and gradient), each regenerating the target's "
+        "features for its shard with its own copy of the target; for conversations too long to train in one "
+        "process. A dense head only (num_experts 1)"))
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainHeadConfig":
+        if self.sequence_parallel > 1 and self.num_experts > 1:
+            raise ValueError(moe_refusal(self.sequence_parallel, self.num_experts))
+        return self
 
     def step_config(self) -> StepConfig:
         """What trainer.step.train_step needs from this recipe (bf16 None counts as off: resolve it first)."""
@@ -69,6 +85,13 @@ class TrainHeadConfig(BaseModel, frozen=True):
     def schedule(self, total_steps: int) -> WarmupCosine:
         return WarmupCosine(lr=self.lr, total_steps=total_steps, warmup_steps=self.warmup_steps,
                             min_lr_ratio=self.min_lr_ratio)
+
+
+def moe_refusal(sequence_parallel: int, num_experts: int) -> str:
+    """Why a run with both is refused (trainer.seqpar trains dense heads only)."""
+    return (f"sequence_parallel {sequence_parallel} with num_experts {num_experts}: sequence parallel trains a dense "
+            "head only (an MoE router's load-balancing loss is not a sum over positions); use num_experts 1, or "
+            "sequence_parallel 1 for an MoE head")
 
 
 @dataclass
@@ -231,6 +254,111 @@ class _Progress:
         self.bar.close()
 
 
+# ---- the step: in this process, or sequence parallel on a Ray Train worker group ----------------------
+class InProcessStep:
+    """Each update here: one target forward per batch (make_ttt_batch), then trainer.step.train_step."""
+
+    def __init__(self, cfg: TrainHeadConfig, target: Target, head: Eagle3DraftHead, opt: torch.optim.Optimizer,
+                 schedule: WarmupCosine, generator: torch.Generator) -> None:
+        self.cfg, self.target, self.head, self.opt = cfg, target, head, opt
+        self.schedule, self.step_cfg, self.generator = schedule, cfg.step_config(), generator
+
+    def __call__(self, exs: Sequence[TokenizedExample], step: int) -> StepStats:
+        batch = make_ttt_batch(self.target, self.head, exs, self.cfg.max_len)
+        return train_step(self.head, batch, self.opt, self.schedule, self.step_cfg, step=step,
+                          generator=self.generator)
+
+    def sync(self) -> None:
+        """The local head is the trained one."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def traffic_rows(exs: Sequence[TokenizedExample], max_len: int) -> list[TrafficRow]:
+    """Examples as training rows without captured features (each worker regenerates its own), truncated as
+    collate() truncates them."""
+    return [TrafficRow(e.id, e.domain, tuple(e.input_ids[:max_len]), tuple(e.loss_mask[:max_len]), None, None)
+            for e in exs]
+
+
+def worker_target(cfg: TrainHeadConfig, target: Target) -> Callable[[], Target]:
+    """How each worker loads its copy of `target` (a picklable callable): cfg.target, at the loop's target's
+    aux layers, dtype and device type."""
+    return functools.partial(load_target, cfg.target, device=target.device.type, dtype=target.dtype,
+                             aux_layer_ids=tuple(target.aux_layer_ids), purpose="train")
+
+
+def start_local_ray() -> bool:
+    """Start a local Ray with this machine's CPUs unless one is running; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False  # someone else's Ray (the stack, tests): used, never shut down
+    ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _system_config={"worker_niceness": 0})
+    return True
+
+
+class SequenceParallelStep:
+    """Each update on `cfg.sequence_parallel` Ray Train workers (trainer.scaleout.DataParallelStep with
+    split="positions"): every worker gets the batch's rows, regenerates the target's features and trains its
+    position shard of every row; the gradients are summed, so every worker holds the one-process update.
+    The workers hold the trained head: `sync` pulls its weights and optimizer state into the local ones."""
+
+    def __init__(self, cfg: TrainHeadConfig, head: Eagle3DraftHead, opt: torch.optim.Optimizer,
+                 schedule: WarmupCosine, *, storage: Path, device: str,
+                 target_builder: Callable[[], Target], log: Callable[[str], None]) -> None:
+        import ray
+
+        from trainer.scaleout import DataParallelStep
+
+        if head.cfg.num_experts > 1:
+            raise ValueError(moe_refusal(cfg.sequence_parallel, head.cfg.num_experts) + " (the head being trained "
+                             f"is MoE-routed although the recipe's num_experts is {cfg.num_experts})")
+        self.cfg, self.head, self.opt, self.schedule, self.step_cfg = cfg, head, opt, schedule, cfg.step_config()
+        self.ray_owned = start_local_ray()
+        self.group = None
+        self.stale = False
+        try:
+            share = float(ray.cluster_resources().get("CPU", 1.0)) / cfg.sequence_parallel
+            cpus = float(int(share)) if share >= 1 else share
+            self.group = DataParallelStep(cfg.sequence_parallel, device=device, storage=storage,
+                                          target_builder=target_builder, cpus_per_worker=cpus, name="train-head-seqpar",
+                                          split="positions")
+            self.group.load(head, opt, cfg.lr, cfg.weight_decay)
+        except BaseException:
+            self.close()
+            raise
+        log(f"sequence-parallel step on {cfg.sequence_parallel} Ray Train workers ({cpus:g} CPUs each; rows split "
+            "by position, ring attention)")
+
+    def __call__(self, exs: Sequence[TokenizedExample], step: int) -> StepStats:
+        rows = traffic_rows(exs, self.cfg.max_len)
+        stats, _, _ = self.group.step(rows, step, self.schedule(step), self.step_cfg)
+        self.stale = True
+        return stats
+
+    def sync(self) -> None:
+        """Bring the local head and optimizer level with the workers' (before evaluation, checkpoints, the end)."""
+        if not self.stale:
+            return
+        state = self.group.state()
+        self.head.load_state_dict({**state["state"], "embed_tokens.weight": self.head.embed_tokens.weight.detach()})
+        self.opt.load_state_dict(state["optimizer"])
+        self.stale = False
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self.ray_owned:
+            import ray
+
+            ray.shutdown()
+            self.ray_owned = False
+
+
 def train_loop(
     cfg: TrainHeadConfig,
     run_dir: Path,
@@ -245,9 +373,13 @@ def train_loop(
     extra: dict | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    target_builder: Callable[[], Target] | None = None,
 ) -> tuple[RunState, dict]:
     """Train until the token or time budget; checkpoint every cfg.checkpoint_minutes. Returns the
-    final state and the last held-out evaluation. Each update is trainer.step.train_step."""
+    final state and the last held-out evaluation. Each update is trainer.step.train_step, in this process
+    or (cfg.sequence_parallel > 1) on a Ray Train worker group, started here (with a local Ray when none is
+    running) and closed at the end. target_builder: how a worker loads its copy of `target` (a picklable
+    callable; default: worker_target, by cfg.target)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     state = state or RunState(history=[])
     state.history = state.history or []
@@ -255,50 +387,77 @@ def train_loop(
     opt = adamw(head, cfg.lr, cfg.weight_decay)
     if opt_tensors is not None:
         restore_optimizer(opt, opt_tensors, opt_meta)
-    schedule, step_cfg = cfg.schedule(estimate_total_steps(cfg, train_examples)), cfg.step_config()
+    schedule = cfg.schedule(estimate_total_steps(cfg, train_examples))
     eval_cache = exact_batches(target, head, eval_examples, cfg.max_len, cfg.batch_tokens)
+    head.train()
+    if cfg.sequence_parallel > 1:
+        step = SequenceParallelStep(cfg, head, opt, schedule, storage=run_dir / "ray-train",
+                                    device=target.device.type, target_builder=target_builder
+                                    or worker_target(cfg, target), log=log)
+    else:
+        step = InProcessStep(cfg, target, head, opt, schedule,
+                             torch.Generator().manual_seed(cfg.seed * 7919 + state.step))
+
+    def held_out() -> dict:
+        step.sync()
+        return evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
+
+    def checkpoint() -> None:
+        step.sync()
+        save_run_state(run_dir, head, opt, state, cfg, extra)
+
+    try:
+        _run_steps(cfg, step, train_examples, state, held_out, checkpoint, progress, log)
+        last_eval = held_out()
+        state.history.append(_eval_record(state, last_eval))
+        checkpoint()
+    finally:
+        step.close()
+    return state, last_eval
+
+
+def _run_steps(cfg: TrainHeadConfig, step: InProcessStep | SequenceParallelStep,
+               train_examples: Sequence[TokenizedExample], state: RunState, held_out: Callable[[], dict],
+               checkpoint: Callable[[], None], progress: bool, log: Callable[[str], None]) -> None:
+    """The loop's body: batches in epochs until the budget, held-out evaluation every cfg.eval_every steps and
+    a checkpoint every cfg.checkpoint_minutes."""
     bar = _Progress(cfg, state.tokens, progress)
     last_ckpt = time.time()
     t_start, elapsed0, tokens0 = time.time(), state.elapsed_s, state.tokens
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
-    head.train()
 
     def done() -> bool:
         over_time = cfg.time_budget_min and (state.elapsed_s - elapsed0) / 60 >= cfg.time_budget_min
         return state.tokens >= cfg.token_budget or bool(over_time)
 
-    while not done():
-        order = shuffled(len(train_examples), cfg.seed, state.epoch)
-        resume_from = state.cursor  # windows before this were consumed before a resume
-        for cursor, exs in batches(train_examples, order, cfg.batch_tokens, cfg.max_len):
-            if cursor < resume_from:
-                continue
-            batch = make_ttt_batch(target, head, exs, cfg.max_len)
-            stats = train_step(head, batch, opt, schedule, step_cfg, step=state.step, generator=gen)
-            state.step += 1
-            state.tokens += stats.tokens
-            state.cursor = cursor
-            state.elapsed_s = elapsed0 + time.time() - t_start
-            bar.update(stats)
-            if stats.skipped:
-                log(f"[warn] step {stats.step}: non-finite gradient norm {stats.grad_norm}; update skipped")
-            if state.step % cfg.eval_every == 0:
-                summary = evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
-                state.history.append(_eval_record(state, summary))
-                rate = (state.tokens - tokens0) / max(1e-9, state.elapsed_s - elapsed0)
-                log(f"[eval] step {state.step} tokens {state.tokens} "
-                    f"alpha {' '.join(f'{a:.3f}' for a in summary['alpha'])} "
-                    f"accept_len {summary['accept_length']:.3f} ({rate:.0f} tok/s)")
-            if time.time() - last_ckpt >= cfg.checkpoint_minutes * 60:
-                save_run_state(run_dir, head, opt, state, cfg, extra)
-                last_ckpt = time.time()
-            if done():
-                break
-        else:
-            state.epoch += 1
-            state.cursor = 0
-    bar.close()
-    last_eval = evaluate(head, target, eval_examples, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
-    state.history.append(_eval_record(state, last_eval))
-    save_run_state(run_dir, head, opt, state, cfg, extra)
-    return state, last_eval
+    try:
+        while not done():
+            order = shuffled(len(train_examples), cfg.seed, state.epoch)
+            resume_from = state.cursor  # windows before this were consumed before a resume
+            for cursor, exs in batches(train_examples, order, cfg.batch_tokens, cfg.max_len):
+                if cursor < resume_from:
+                    continue
+                stats = step(exs, state.step)
+                state.step += 1
+                state.tokens += stats.tokens
+                state.cursor = cursor
+                state.elapsed_s = elapsed0 + time.time() - t_start
+                bar.update(stats)
+                if stats.skipped:
+                    log(f"[warn] step {stats.step}: non-finite gradient norm {stats.grad_norm}; update skipped")
+                if state.step % cfg.eval_every == 0:
+                    summary = held_out()
+                    state.history.append(_eval_record(state, summary))
+                    rate = (state.tokens - tokens0) / max(1e-9, state.elapsed_s - elapsed0)
+                    log(f"[eval] step {state.step} tokens {state.tokens} "
+                        f"alpha {' '.join(f'{a:.3f}' for a in summary['alpha'])} "
+                        f"accept_len {summary['accept_length']:.3f} ({rate:.0f} tok/s)")
+                if time.time() - last_ckpt >= cfg.checkpoint_minutes * 60:
+                    checkpoint()
+                    last_ckpt = time.time()
+                if done():
+                    break
+            else:
+                state.epoch += 1
+                state.cursor = 0
+    finally:
+        bar.close()
