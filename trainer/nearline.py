@@ -387,6 +387,11 @@ class NearlineTrainer:
         else:  # idle: another pass over earlier traffic
             replayed = self._replay_only()
         rows = [self._row(r) for _, r in fresh] + [self._row(r) for r in replayed]
+        cut = {r.request_id for r in rows if not r.trained_positions}  # e.g. a prompt longer than max_len
+        if untrainable := sum(1 for r in rows if not r.trained_positions):
+            rows = [r for r in rows if r.trained_positions]
+            self.counters["skipped"]["no_trained_position_within_max_len"] = (
+                self.counters["skipped"].get("no_trained_position_within_max_len", 0) + untrainable)
         if self._step_fault is not None:
             message, self._step_fault = self._step_fault, None
             raise InjectedFault(message)
@@ -395,7 +400,11 @@ class NearlineTrainer:
             self._set_head(grown.head.float().train())  # a new optimizer over the grown head's parameters
             self._note(grown.describe())
         step = self.counters["steps"]
-        if self.cfg.workers > 1:
+        if not rows:  # every record of the batch was cut before its first trained token: consumed, nothing learned
+            stats = StepStats(step=step, lr=float(self.opt.param_groups[0]["lr"]), loss=0.0, grad_norm=0.0, tokens=0,
+                              step_loss=(), step_correct=(), step_count=())
+            tokens, regenerated = 0, 0
+        elif self.cfg.workers > 1:
             stats, tokens, regenerated = self._step_data_parallel(rows, step)
         else:
             tb = make_traffic_batch(self.target, self.head, rows, self.device)
@@ -413,8 +422,9 @@ class NearlineTrainer:
         for delivery_id, rec in fresh:
             read_at = self._read_at.pop(delivery_id, trained_at)
             self._trained_times.append((min(rec.created_at, read_at), read_at, trained_at))
-            payload = encode_record(rec, self.cfg.store.codec)
-            self.buffer.add(payload, rec.domain, len(payload))
+            if rec.request_id not in cut:  # a record with nothing to train on is not replayed either
+                payload = encode_record(rec, self.cfg.store.codec)
+                self.buffer.add(payload, rec.domain, len(payload))
             self.done_ids.append(delivery_id)
             self._remember(rec.request_id)
             self.counters["records_trained"] += 1

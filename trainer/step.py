@@ -128,8 +128,12 @@ def train_step(
         if extra_loss is not None:
             loss = loss + extra_loss()
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not loss.requires_grad:  # the batch scores no position: nothing to learn, the parameters stay as they are
+        return StepStats(step=step, lr=float(optimizer.param_groups[0]["lr"]), loss=float(loss), grad_norm=0.0,
+                         tokens=int(batch.lengths.sum()), step_loss=tuple(out.step_loss),
+                         step_correct=tuple(out.step_correct), step_count=tuple(out.step_count))
+    loss.backward()
     if reduce_gradients is not None:
         reduce_gradients(params)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))

@@ -200,6 +200,11 @@ def ttt_loss(
     valid = [step_valid_mask(batch.loss_mask, batch.lengths, j) for j in range(steps)]
     sel = chain_rows(valid, max_loss_rows, generator)  # [B, T]
     rows = sel.nonzero()  # [N, 2] sorted by (batch, position)
+    if rows.shape[0] == 0:  # nothing to score (e.g. rows cut before their first trained token): a zero loss, no graph
+        none = [0] * steps
+        empty = torch.zeros(steps, 0, dtype=torch.bool, device=dev)
+        return TTTOutput(batch.aux.new_zeros((), dtype=torch.float32), [0.0] * steps, none, none, none, none,
+                         rows[:, 1], empty, empty)
     attend = TTTAttention(rows[:, 0], rows[:, 1], attention_chunk)
     positions = torch.arange(t, device=dev)[None].expand(b, t)
     total = batch.aux.new_zeros((), dtype=torch.float32)

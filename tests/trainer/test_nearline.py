@@ -132,6 +132,28 @@ def test_every_batch_keeps_the_replay_ratio(tmp_path, world):
     assert compositions and all(c["replay"] == c["fresh"] for c in compositions)
 
 
+def test_records_cut_before_their_first_generated_token_are_counted_and_not_trained(tmp_path, world):
+    """A prompt longer than max_len leaves a row with nothing to train on: it is left out of the batch, counted
+    under skipped, and not kept for replay; a batch of only such rows is consumed without an update."""
+    target, head, records = world
+    engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False, calibration_dir=""), head_version="v1")
+    engine.eos_ids = set()
+    long = [engine.generate([(i + k) % 30 + 1 for k in range(20)], SamplingParams(max_tokens=8), capture=True,
+                            request_id=f"long-{i}").trace for i in range(4)]
+    cfg, target = setup_run(tmp_path, (target, head, long + records[:6]), max_len=16, heldout_percent=1)
+    kept = [r for r in long if not is_heldout(r.request_id, cfg.heldout_percent)]
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    before = [p.detach().clone() for p in tr.head.parameters()]
+    tr.train_once(force=True)  # the first batch holds long records only (batch_tokens 256 > 4 x 16)
+    while tr.fresh:
+        tr.train_once(force=True)
+    assert tr.counters["skipped"]["no_trained_position_within_max_len"] == len(kept) > 0
+    assert len(tr.buffer) == tr.counters["records_trained"] - len(kept)
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.head.parameters()))  # the short ones trained
+
+
 def test_idle_trainer_makes_more_passes_over_the_buffer_up_to_its_budget(tmp_path, world):
     cfg, target = setup_run(tmp_path, world, max_passes=2.0)
     tr = NearlineTrainer(cfg, target=target)

@@ -92,3 +92,20 @@ def test_acceptance_summary_chain_length():
     s = acceptance_summary([8, 4], [10, 8], [8, 4], [10, 8])
     assert s["alpha"] == [0.8, 0.5]
     assert abs(s["accept_length"] - (1 + 0.8 + 0.4)) < 1e-9
+
+
+def test_a_batch_with_nothing_to_score_is_a_zero_loss_and_no_update():
+    """Rows cut before their first trained token (a prompt longer than max_len) score nothing: ttt_loss gives a
+    zero loss without a graph and train_step leaves the parameters as they are."""
+    from trainer.step import StepConfig, adamw, train_step
+
+    target, head = make_setup(dtype=torch.float32)
+    batch = make_batch(target, head)
+    empty = TTTBatch(batch.input_ids, torch.zeros_like(batch.loss_mask), batch.lengths, batch.aux,
+                     batch.target_probs[:0], torch.full_like(batch.row_index, -1), batch.target_argmax)
+    out = ttt_loss(head, empty)
+    assert float(out.loss) == 0.0 and not out.loss.requires_grad and out.step_count == [0] * 7
+    before = [p.detach().clone() for p in head.parameters()]
+    stats = train_step(head, empty, adamw(head, 1e-3), None, StepConfig(), step=0)
+    assert stats.loss == 0.0 and stats.step_count == (0,) * 7 and not stats.skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, head.parameters()))
