@@ -78,31 +78,42 @@ class BlockAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, q_pos, k_pos, out, lse = ctx.saved_tensors
-        scale, chunk = ctx.scale, ctx.chunk
-        h, n, d = q.shape
-        kvh, s = k.shape[0], k.shape[1]
-        cd = out.dtype
-        qg, qp = _grouped(q.to(cd), kvh, q_pos)
-        do = d_out.to(cd).reshape(kvh, -1, d_out.shape[-1]) if d_out is not None else torch.zeros_like(out)
-        dl = d_lse.to(cd).reshape(kvh, -1) if d_lse is not None else torch.zeros_like(lse)
-        seen = torch.isfinite(lse)
-        lse_safe = torch.where(seen, lse, torch.zeros_like(lse))
-        delta = (do * out).sum(-1) - dl  # D_i - dlse_i: ds = p * (dp - delta)
-        dq = torch.zeros_like(qg)
-        dk = torch.zeros(k.shape, dtype=cd, device=k.device)
-        dv = torch.zeros(v.shape, dtype=cd, device=v.device)
-        for c0 in range(0, s, chunk):
-            kc, vc, kp = k[:, c0 : c0 + chunk].to(cd), v[:, c0 : c0 + chunk].to(cd), k_pos[c0 : c0 + chunk]
-            if int(kp.min()) > int(qp.max()):
-                continue
-            sc = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)
-            hidden = (kp[None, None, :] > qp[None, :, None]) | ~seen[..., None]
-            p = torch.exp(sc.sub_(lse_safe[..., None])).masked_fill_(hidden, 0.0)
-            dv[:, c0 : c0 + chunk] = torch.matmul(p.transpose(-1, -2), do)
-            ds = p.mul_(torch.matmul(do, vc.transpose(-1, -2)).sub_(delta[..., None])).mul_(scale)
-            dq += torch.matmul(ds, kc)
-            dk[:, c0 : c0 + chunk] = torch.matmul(ds.transpose(-1, -2), qg)
-        return (dq.reshape(h, n, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None)
+        h, n = q.shape[:2]
+        grads = block_attention_grads(q, k, v, q_pos, k_pos, out.reshape(h, n, -1), lse.reshape(h, n), d_out, d_lse,
+                                      ctx.scale, ctx.chunk)
+        return (*grads, None, None, None, None)
+
+
+def block_attention_grads(q, k, v, q_pos, k_pos, out, lse, d_out, d_lse, scale: float, chunk: int = DEFAULT_CHUNK):
+    """(dq, dk, dv) of q's attention over this key block, recomputed chunk by chunk. `out` [h, N, d] and `lse`
+    [h, N] (compute dtype) are those of the whole attention the block is part of: the block alone (this module's
+    backward), or the merge of several blocks (a ring's, trainer/seqpar.py), whose gradient is the sum of every
+    block's share computed this way. d_out, d_lse: the gradients of out and lse (None: zero)."""
+    h, n, d = q.shape
+    kvh, s = k.shape[0], k.shape[1]
+    cd = out.dtype
+    qg, qp = _grouped(q.to(cd), kvh, q_pos)
+    og, lse = out.reshape(kvh, -1, out.shape[-1]), lse.reshape(kvh, -1)
+    do = d_out.to(cd).reshape(kvh, -1, d_out.shape[-1]) if d_out is not None else torch.zeros_like(og)
+    dl = d_lse.to(cd).reshape(kvh, -1) if d_lse is not None else torch.zeros_like(lse)
+    seen = torch.isfinite(lse)
+    lse_safe = torch.where(seen, lse, torch.zeros_like(lse))
+    delta = (do * og).sum(-1) - dl  # D_i - dlse_i: ds = p * (dp - delta)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros(k.shape, dtype=cd, device=k.device)
+    dv = torch.zeros(v.shape, dtype=cd, device=v.device)
+    for c0 in range(0, s, chunk):
+        kc, vc, kp = k[:, c0 : c0 + chunk].to(cd), v[:, c0 : c0 + chunk].to(cd), k_pos[c0 : c0 + chunk]
+        if int(kp.min()) > int(qp.max()):
+            continue
+        sc = torch.matmul(qg, kc.transpose(-1, -2)).mul_(scale)
+        hidden = (kp[None, None, :] > qp[None, :, None]) | ~seen[..., None]
+        p = torch.exp(sc.sub_(lse_safe[..., None])).masked_fill_(hidden, 0.0)
+        dv[:, c0 : c0 + chunk] = torch.matmul(p.transpose(-1, -2), do)
+        ds = p.mul_(torch.matmul(do, vc.transpose(-1, -2)).sub_(delta[..., None])).mul_(scale)
+        dq += torch.matmul(ds, kc)
+        dk[:, c0 : c0 + chunk] = torch.matmul(ds.transpose(-1, -2), qg)
+    return dq.reshape(h, n, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -136,4 +147,4 @@ def dense_partial(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Ten
     return (probs.unsqueeze(-1) * values).sum(-2), lse
 
 
-__all__ = ["DEFAULT_CHUNK", "BlockAttention", "block_attention", "dense_partial", "merge"]
+__all__ = ["DEFAULT_CHUNK", "BlockAttention", "block_attention", "block_attention_grads", "dense_partial", "merge"]

@@ -47,14 +47,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from adaptive_eagle.draft_head import Eagle3DraftHead, repeat_kv
-from trainer.long_attention import DEFAULT_CHUNK, BlockAttention, block_attention, dense_partial, merge
+from trainer.long_attention import DEFAULT_CHUNK, block_attention, block_attention_grads, dense_partial, merge
 from trainer.step import StepConfig, StepStats, train_step
 from trainer.ttt import (DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, SoftCrossEntropy, TTTBatch, TTTOutput, chain_rows,
                          shift_left, step_valid_mask)
@@ -221,12 +220,8 @@ def _visible(k_pos: torch.Tensor, q_pos: torch.Tensor) -> bool:
 
 def _block_grads(q, k, v, q_pos, k_pos, out, lse, d_out, d_lse, scale, chunk):
     """(dq, dk, dv) of one key block's share in an attention whose merged output and log-sum-exp over ALL
-    blocks are `out`, `lse`: BlockAttention's recomputing backward, given the merged statistics."""
-    kvh = k.shape[0]
-    cd = lse.dtype
-    ctx = SimpleNamespace(saved_tensors=(q, k, v, q_pos, k_pos, out.to(cd).reshape(kvh, -1, out.shape[-1]),
-                                         lse.reshape(kvh, -1)), scale=scale, chunk=chunk)
-    return BlockAttention.backward(ctx, d_out, d_lse)[:3]
+    blocks are `out`, `lse` (trainer.long_attention.block_attention_grads)."""
+    return block_attention_grads(q, k, v, q_pos, k_pos, out.to(lse.dtype), lse, d_out, d_lse, scale, chunk)
 
 
 class RingAttention(torch.autograd.Function):
