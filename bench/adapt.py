@@ -351,6 +351,7 @@ def long_workload(args, target, log) -> None:
         "long_gain_pct": round(100 * (b_long - a_long) / a_long, 2),
         "long_gain_capped_pct": round(100 * (e_long - a_long) / a_long, 2),
         "short_accept_length_shipped": round(a_short, 4), "short_accept_length_adapted": round(b_short, 4),
+        "short_accept_length_capped": round(e_short, 4),
         "short_loss_pct": round(100 * (a_short - b_short) / a_short, 2),
         "store_bytes_per_token": round(bpt, 1), "store_codec": codec,
         "trainer": infos,
