@@ -13,3 +13,17 @@ def test_validation_and_test_halves_are_disjoint_and_stable():
     assert ids(valid) == ["0", "2", "4", "10"] and ids(test) == ["1", "3", "5"]  # by index, not store order
     assert not set(map(id, valid)) & set(map(id, test)) and len(valid) + len(test) == len(recs)
     assert split_heldout(list(reversed(recs))) == (valid, test)
+
+
+def test_long_workload_splits_buckets_at_1024_by_pooled_verify_steps():
+    """long_gain_pct and short_loss_pct pool verify steps across buckets (not a mean of bucket means), and a
+    side with no steps is NaN rather than a made-up 1.0."""
+    import math
+
+    from bench.adapt import LONG_EDGE, split_at
+
+    buckets = [{"start": 0, "steps": 10, "accepted": 10}, {"start": 512, "steps": 30, "accepted": 0},
+               {"start": 1024, "steps": 4, "accepted": 8}, {"start": 4096, "steps": 0, "accepted": 0}]
+    short, long_, n_short, n_long = split_at(buckets, LONG_EDGE)
+    assert (short, long_, n_short, n_long) == (1.25, 3.0, 40, 4)
+    assert math.isnan(split_at(buckets[:2], LONG_EDGE)[1])
