@@ -20,8 +20,10 @@ continuation the target committed; exact for this greedy traffic) on the SAME te
   (d) the shipped head fine-tuned by the near-line trainer for K CPU-minutes on captured English
       traffic only, scored on held-out captured English (the on-policy gain).
 Budget. "CPU-minutes" are the training process's CPU time divided by its torch threads (on an idle
-2-core machine, wall minutes), so a noisy shared machine changes wall time, not the work budget.
-Evaluation pauses are not counted. `--positions` compares training on generated tokens only with
+2-core machine, wall minutes). Light noise changes wall time, not the work budget; an oversubscribed
+machine does not hold to that: waiting OpenMP threads spin and count CPU time (6 CPU-minutes trained
+137k tokens with other jobs on the cores, 500k alone). Run it on an idle machine. Evaluation pauses
+are not counted. `--positions` compares training on generated tokens only with
 prompt + generated positions (--positions both runs (b) once per mix).
 
 Also measured: trained tokens per CPU-second with captured features (no target forward) and with
@@ -79,7 +81,7 @@ from trainer.traffic import make_traffic_batch, row_from_record  # noqa: E402
 
 
 def cpu_seconds() -> float:
-    """Process CPU time per torch thread: wall seconds of an idle machine, noise-robust on a busy one."""
+    """Process CPU time per torch thread: wall seconds of an idle machine (not on an oversubscribed one)."""
     return time.process_time() / max(1, torch.get_num_threads())
 
 
