@@ -55,7 +55,7 @@ import torch.distributed as dist
 from adaptive_eagle.draft_head import Eagle3DraftHead, repeat_kv
 from trainer.long_attention import DEFAULT_CHUNK, block_attention, block_attention_grads, dense_partial, merge
 from trainer.step import StepConfig, StepStats, train_step
-from trainer.ttt import (DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, SoftCrossEntropy, TTTBatch, TTTOutput, chain_rows,
+from trainer.ttt import (DEFAULT_STEP_DECAY, DEFAULT_TTT_STEPS, TTTBatch, TTTOutput, chain_rows, score_step,
                          shift_left, step_valid_mask)
 
 
@@ -218,12 +218,6 @@ def _visible(k_pos: torch.Tensor, q_pos: torch.Tensor) -> bool:
     return k_pos.numel() > 0 and q_pos.numel() > 0 and int(k_pos[0]) <= int(q_pos.max())
 
 
-def _block_grads(q, k, v, q_pos, k_pos, out, lse, d_out, d_lse, scale, chunk):
-    """(dq, dk, dv) of one key block's share in an attention whose merged output and log-sum-exp over ALL
-    blocks are `out`, `lse` (trainer.long_attention.block_attention_grads)."""
-    return block_attention_grads(q, k, v, q_pos, k_pos, out.to(lse.dtype), lse, d_out, d_lse, scale, chunk)
-
-
 class RingAttention(torch.autograd.Function):
     """Attention of local queries over the step-0 blocks of every rank, by ring. q [h, N, d] sorted by row
     (counts[b] queries of row b), q_pos [N]; k, v [B, kv_heads, n_rank, d] this rank's block. Returns (out
@@ -266,8 +260,9 @@ class RingAttention(torch.autograd.Function):
             for b, sl in _slices(ctx.counts):
                 if not _visible(k_pos, q_pos[sl]):
                     continue
-                gq, gk, gv = _block_grads(q[:, sl], pack[0, b], pack[1, b], q_pos[sl], k_pos, out[:, sl],
-                                          lse[:, sl], d_out[:, sl], d_lse[:, sl], scale, chunk)
+                gq, gk, gv = block_attention_grads(q[:, sl], pack[0, b], pack[1, b], q_pos[sl], k_pos,
+                                                   out[:, sl].to(cd), lse[:, sl], d_out[:, sl], d_lse[:, sl], scale,
+                                                   chunk)
                 dq[:, sl] += gq
                 pack[2, b] += gk
                 pack[3, b] += gv
@@ -430,22 +425,13 @@ def seqpar_ttt_loss(
             alive = alive & valid_rows
             continue
         target_rows = shift_left(w.row_index, j + 1, fill=-1)[:, :n][sel][valid_rows]  # [m]
-        tgt_p = w.target_probs[target_rows]
-        ce = SoftCrossEntropy.apply(out.logits, tgt_p)  # mean over this rank's m rows
+        truth = None if w.target_argmax is None else shift_left(w.target_argmax, j + 1)[:, :n][sel][valid_rows]
+        ce, hit, row_eligible[j], alive = score_step(out.logits, w.target_probs[target_rows], truth, d2t_ids,
+                                                     valid_rows, alive)  # ce: a mean over this rank's m rows
+        row_accepted[j] = alive
         local = local + (decay**j) * ce * (m / counts[j])
-        with torch.no_grad():
-            pred = out.logits.argmax(-1)
-            if w.target_argmax is not None:
-                hit = d2t_ids[pred] == shift_left(w.target_argmax, j + 1)[:, :n][sel][valid_rows]
-            else:
-                hit = pred == tgt_p.argmax(-1)
-            hit_rows = torch.zeros_like(valid_rows)
-            hit_rows[valid_rows] = hit
-            row_eligible[j] = alive & valid_rows
-            alive = alive & valid_rows & hit_rows
-            row_accepted[j] = alive
-            stats[:, j] = torch.tensor([float(ce) * m, int(hit.sum()), m, int(alive.sum()),
-                                        int(row_eligible[j].sum())], dtype=torch.float64)
+        stats[:, j] = torch.tensor([float(ce) * m, int(hit.sum()), m, int(alive.sum()),
+                                    int(row_eligible[j].sum())], dtype=torch.float64)
     local = _Join.apply(local, *attend.ring_outputs)
     return _whole_batch(local, stats, ring, rows, start, row_eligible, row_accepted)
 

@@ -167,6 +167,22 @@ class TTTAttention:
         return torch.cat(outs, dim=1)[None]  # [1, h, N, d]
 
 
+def score_step(logits: torch.Tensor, target_p: torch.Tensor, truth: torch.Tensor | None, d2t_ids: torch.Tensor,
+               valid_rows: torch.Tensor, alive: torch.Tensor):
+    """One TTT step's loss and acceptance over its chain rows: (ce, hit, eligible, alive). ce: the soft
+    cross-entropy, a mean over the step's valid rows (logits and target_p: those rows); hit [n]: the draft's
+    argmax equals the target's (its full-vocab argmax `truth` where known, else target_p's); eligible [N]:
+    chains accepted through the previous step whose step this is; alive [N]: chains accepted through it."""
+    ce = SoftCrossEntropy.apply(logits, target_p)
+    with torch.no_grad():
+        pred = logits.argmax(-1)
+        hit = d2t_ids[pred] == truth if truth is not None else pred == target_p.argmax(-1)
+        hit_rows = torch.zeros_like(valid_rows)
+        hit_rows[valid_rows] = hit
+        eligible = alive & valid_rows
+    return ce, hit, eligible, eligible & hit_rows
+
+
 def chain_rows(valid: list[torch.Tensor], max_rows: int | None, generator) -> torch.Tensor:
     """[B, T] bool: start positions whose chains are unrolled and scored (all, or a random subset)."""
     union = torch.stack(valid).any(0)
@@ -231,26 +247,16 @@ def ttt_loss(
             alive = alive & valid_rows
             continue
         target_rows = shift_left(batch.row_index, j + 1, fill=-1)[sel][valid_rows]  # [n]
-        tgt_p = batch.target_probs[target_rows]  # [n, Vd]
-        ce = SoftCrossEntropy.apply(out.logits, tgt_p)
+        truth = None if batch.target_argmax is None else shift_left(batch.target_argmax, j + 1)[sel][valid_rows]
+        ce, hit, row_eligible[j], alive = score_step(out.logits, batch.target_probs[target_rows], truth, d2t_ids,
+                                                     valid_rows, alive)
+        row_accepted[j] = alive
         total = total + (decay**j) * ce + head.cfg.router_aux_loss_coef * out.aux_loss
-        with torch.no_grad():
-            pred = out.logits.argmax(-1)
-            if batch.target_argmax is not None:
-                truth = shift_left(batch.target_argmax, j + 1)[sel][valid_rows]
-                hit = d2t_ids[pred] == truth
-            else:
-                hit = pred == tgt_p.argmax(-1)
-            hit_rows = torch.zeros_like(valid_rows)
-            hit_rows[valid_rows] = hit
-            row_eligible[j] = alive & valid_rows
-            step_eligible.append(int(row_eligible[j].sum()))
-            alive = alive & valid_rows & hit_rows
-            row_accepted[j] = alive
-            step_loss.append(float(ce))
-            step_correct.append(int(hit.sum()))
-            step_count.append(n)
-            step_accept.append(int(alive.sum()))
+        step_eligible.append(int(row_eligible[j].sum()))
+        step_loss.append(float(ce))
+        step_correct.append(int(hit.sum()))
+        step_count.append(n)
+        step_accept.append(int(alive.sum()))
     return TTTOutput(total, step_loss, step_correct, step_count, step_accept, step_eligible, rows[:, 1],
                      row_eligible, row_accepted)
 

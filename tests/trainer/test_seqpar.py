@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.trainer.test_ttt import make_batch, make_setup
-from trainer import seqpar, ttt
+from trainer import ttt
 from trainer.seqpar import (Ring, RingAttention, all_reduce_gradients, seqpar_ttt_loss, shard_batch, shard_rows,
                             split_positions)
 from trainer.ttt import TTTBatch, ttt_loss
@@ -116,11 +116,12 @@ def _rank_main(rank, init_file, head, data, out_dir):
     groups = {w: dist.new_group(list(range(w))) for w in (2, 3)}
     groups[WORLD] = None
     results = {}
+    original = ttt.SoftCrossEntropy  # trainer.ttt.score_step, which both loss paths call, looks it up there
     try:
         for name, (world, which, max_rows, chunk, exact) in CASES.items():
             if rank >= world:
                 continue
-            seqpar.SoftCrossEntropy = ExactSoftCrossEntropy if exact else ttt.SoftCrossEntropy
+            ttt.SoftCrossEntropy = ExactSoftCrossEntropy if exact else original
             head.zero_grad(set_to_none=True)
             shard = shard_batch(data[which], rank, world, halo=STEPS)
             ring = Ring(shard.bounds, groups[world])
