@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -245,38 +246,46 @@ def session_records(target, head_dir: Path, split: str, n: int, max_tokens: int,
                     log) -> list:
     """Every turn's TraceRecord of `n` long sessions (bench/sessions.py) of a ShareGPT split, replayed through
     the reference engine with capture on (greedy, the shipped head), each turn carrying the whole history with
-    the target's own answers; cached in a local store (the store's default codec) under the cache dir."""
+    the target's own answers. Each session is cached in its own local store (the store's default codec) under
+    the cache dir, keyed by its text, so a larger --sessions replays only the sessions not yet cached."""
     from bench.sessions import build_sessions, replay
 
     loaded = load_head(head_dir, target)
-    engine = SpeculativeEngine(target, loaded, EngineConfig(calibration_dir=""), head_version=loaded.meta.version)
     sessions = build_sessions(D.select(D.load_sharegpt(), split=split), n, min_chars=min_chars,
                               max_turns=max_turns, answer_chars=4 * max_tokens)
-    context = target.config.max_position_embeddings - engine.config.num_draft_tokens - 1 - max_tokens
-    key = hashlib.sha256(json.dumps([target.fingerprint, loaded.meta.sha256, [s.turns for s in sessions], max_tokens,
-                                     context]).encode()).hexdigest()
-    store = StoreConfig(backend="local", local_root=str(cache_dir() / "bench-adapt" / f"sessions-{split}-{key[:16]}"),
-                        fsync=False)
-    done = Path(store.local_root, "complete")
-    if done.exists():
-        recs, _ = stored_records(store, RecordFilter())
-        return recs
-    log(f"replaying {n} long {split} sessions (turn by turn, the target's own answers) with capture on ...")
-    writer, recs, t0 = StoreWriter(store), [], time.time()
+    context = target.config.max_position_embeddings - EngineConfig().num_draft_tokens - 1 - max_tokens
+    engine, recs, t0 = None, [], time.time()
     for si, sess in enumerate(sessions):
-        def generate(messages, k, sess=sess):
+        key = hashlib.sha256(json.dumps([target.fingerprint, loaded.meta.sha256, sess.system, sess.turns, max_tokens,
+                                         context]).encode()).hexdigest()
+        store = StoreConfig(backend="local", local_root=str(cache_dir() / "bench-adapt" / f"session-{key[:20]}"),
+                            fsync=False)
+        done = Path(store.local_root, "complete")
+        if done.exists():
+            got, _ = stored_records(store, RecordFilter())
+            recs.extend(sorted(got, key=lambda r: len(r.input_ids)))  # a session's turns grow: store order may not
+            continue
+        if engine is None:
+            log(f"replaying long {split} sessions (turn by turn, the target's own answers) with capture on ...")
+            engine = SpeculativeEngine(target, loaded, EngineConfig(calibration_dir=""),
+                                       head_version=loaded.meta.version)
+        shutil.rmtree(store.local_root, ignore_errors=True)  # a replay cut short leaves no partial session behind
+        writer, mine = StoreWriter(store), []
+
+        def generate(messages, k, sess=sess, writer=writer, mine=mine):
             r = engine.generate(messages, SamplingParams(max_tokens=max_tokens), capture=True,
                                 request_id=f"{split}-{sess.id}-{k}")
             rec = TraceRecord(**{**r.trace.__dict__, "domain": f"session-{sess.kind}"})
             writer.put(rec)
-            recs.append(rec)
+            mine.append(rec)
             return r.text
 
         sent = replay(sess, generate, fits=lambda m: len(engine.encode(m)) <= context)
+        writer.close()
+        done.write_text(json.dumps({"session": sess.id, "records": len(mine)}))
+        recs.extend(mine)
         log(f"  session {si + 1}/{n} ({sess.kind}): {len(sent)} turns, last context "
-            f"{len(recs[-1].input_ids) if recs else 0} tokens, {time.time() - t0:.0f} s")
-    writer.close()
-    done.write_text(json.dumps({"records": len(recs), "seconds": round(time.time() - t0, 1)}))
+            f"{len(mine[-1].input_ids) if mine else 0} tokens, {time.time() - t0:.0f} s")
     return recs
 
 
