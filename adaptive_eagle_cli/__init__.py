@@ -6,7 +6,7 @@ import-head), the trainer's (trainer.cli: train-head, eval-head, data-stats) and
 (adaptive_eagle_cli.demo); `store ...` is the feature store's sub-app (feature_store.cli) and
 `heads ...` the head registry's (adaptive_eagle.heads_cli).
 The policy's commands (policies.cli: promotions, rollback, pin, unpin) are at top level too; they
-differ from `heads pin/unpin` in that they also write the promotion log. Serving's `up` (serving.cli)
+differ from `heads pin/unpin` in that they also write the promotion log. The loop's `up` (loop.cli)
 starts the whole loop as a local service.
 """
 
@@ -18,8 +18,8 @@ from adaptive_eagle.cli import app as core_app
 from adaptive_eagle.heads_cli import heads_app
 from adaptive_eagle_cli.demo import demo_app
 from feature_store.cli import store_app
+from loop.cli import loop_app
 from policies.cli import policies_app
-from serving.cli import serving_app
 from trainer.cli import trainer_app
 
 app = typer.Typer(
@@ -37,7 +37,7 @@ app.add_typer(trainer_app)
 app.add_typer(core_app)
 app.add_typer(demo_app)
 app.add_typer(policies_app)
-app.add_typer(serving_app)
+app.add_typer(loop_app)
 app.add_typer(store_app, name="store")
 app.add_typer(heads_app, name="heads")
 

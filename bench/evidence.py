@@ -14,7 +14,7 @@ record`, the trained tokens a record bought in the demo's run on 2 CPU cores) an
   prequential  nothing is held out; every record is replayed by the champion and the open snapshots before
                it is trained on, and the sequential offline gate judges each snapshot's evidence after every
                record.
-After every record the stack's own candidate feed (serving/candidates.py) reads what the trainer wrote and
+After every record the stack's own candidate feed (loop/candidates.py) reads what the trainer wrote and
 hands it to the gates, as it does for the policy.
 The policy is the demo's (tail: mean accept length of the lowest 25%, level 90%, 20 records minimum). No
 canary runs: a pass here is what would start one.
@@ -44,7 +44,7 @@ from feature_store.config import StoreConfig  # noqa: E402
 from feature_store.reader import RecordFilter  # noqa: E402
 from feature_store.writer import write_records  # noqa: E402
 from policies.gates import CONTINUE, PROMOTE, offline_gate, sequential_offline_gate  # noqa: E402
-from serving.candidates import CandidateFeed  # noqa: E402
+from loop.candidates import CandidateFeed  # noqa: E402
 from trainer.config import NearlineConfig  # noqa: E402
 from trainer.evaluate import stored_records  # noqa: E402
 from trainer.nearline import NearlineTrainer  # noqa: E402

@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from adaptive_eagle.compute import machine_key  # noqa: E402
-from serving.loop_metrics import trainer_state_class  # noqa: E402
+from loop.metrics import trainer_state_class  # noqa: E402
 
 from bench.chaos import Prometheus, RedisTLS  # noqa: E402
 
@@ -81,7 +81,7 @@ def rehearsal_config(prod: Path, scale: float, state: Path, redis: RedisTLS, env
     """prod.yaml as a dict (its ${VARS} from `env`), host-specific settings replaced, counts scaled by `scale`.
     Returns (config dict, replaced lines, scaled lines)."""
     from adaptive_eagle.cli import SHIPPED_HEAD
-    from serving.stack_config import expand_env
+    from loop.config import expand_env
 
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -401,8 +401,8 @@ def rehearse(a, traffic_s: float) -> int:
 
     from adaptive_eagle_cli.demo.config import Phase
     from adaptive_eagle_cli.demo.traffic import PromptCycle, Traffic, sharegpt_pools
-    from serving.stack import LocalStack
-    from serving.stack_config import parse_stack_config
+    from loop.stack import LocalStack
+    from loop.config import parse_stack_config
 
     out = Path(a.out).expanduser() if a.out else None
     work = Path(tempfile.mkdtemp(prefix="ae-rehearsal-"))

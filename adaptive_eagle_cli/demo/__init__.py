@@ -1,6 +1,6 @@
 """`adaptive-eagle demo`: the main job — the whole loop adapting to drifting traffic on one machine.
 
-Starts the local stack (serving.stack.LocalStack: the real SmolLM2-135M target, the shipped English head
+Starts the local stack (loop.stack.LocalStack: the real SmolLM2-135M target, the shipped English head
 as the first champion, a local feature store, one replica, the near-line trainer, the promotion policy,
 the OpenAI-compatible gateway), sends real ShareGPT prompts whose mix drifts (English chat → code by
 default) through the `openai` client, shows a live view, and writes a report that sets the adapted stack

@@ -149,7 +149,7 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
     """The StackConfig of the demo: the real target, the shipped head as the seed champion, a local store,
     one replica, every request captured, a trainer and a policy tuned to turn within the budget."""
     from adaptive_eagle.cli import SHIPPED_HEAD
-    from serving.stack_config import parse_stack_config
+    from loop.config import parse_stack_config
 
     quick = cfg.quick
     trainer = {

@@ -44,7 +44,7 @@ def scenario_of(cfg: DemoConfig, pools: dict) -> tuple[str, ...]:
 
 
 def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, tty: Optional[bool] = None) -> DemoOutcome:
-    from serving.stack import LocalStack
+    from loop.stack import LocalStack
 
     import torch
 
@@ -104,7 +104,7 @@ class _Run:
 
 def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _Run:
     from adaptive_eagle.targets import load_target
-    from serving.loop_metrics import candidate_times
+    from loop.metrics import candidate_times
 
     echo("loading the target in this process (frozen-head control, greedy checks) ...")
     target = load_target(stack.config.serving.target, device=stack.config.serving.device)

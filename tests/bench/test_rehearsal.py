@@ -11,8 +11,8 @@ import yaml
 
 from bench.rehearsal import CaptureCounter, _stale_gate_decisions, rehearsal_config
 from policies.log import PromotionEvent
-from serving.stack_check import check_stack
-from serving.stack_config import parse_stack_config
+from loop.check import check_stack
+from loop.config import parse_stack_config
 
 PROD = Path(__file__).resolve().parents[2] / "ops" / "prod.yaml"
 ENV = {"AE_ADMIN_TOKEN": "a" * 32, "AE_API_KEY": "k" * 32, "AE_REDIS_HOST": "localhost", "AE_REDIS_PASSWORD": "pw"}

@@ -27,7 +27,7 @@ def test_cluster_yaml_validates_against_rays_schema():
 
 
 def test_prod_yaml_is_a_valid_stack_config_with_secrets_from_the_environment(monkeypatch):
-    from serving.stack_config import StackConfigError, load_stack_config
+    from loop.config import StackConfigError, load_stack_config
 
     with pytest.raises(StackConfigError, match="AE_"):  # nothing inline: without the variables it refuses
         for name in ("AE_ADMIN_TOKEN", "AE_API_KEY", "AE_REDIS_PASSWORD", "AE_REDIS_HOST"):
@@ -67,7 +67,7 @@ def test_cluster_nodes_run_python_3_11_and_a_second_ray_up_replaces_the_stack():
 
 def exported_metrics() -> set[str]:
     """Every metric name the gateway's /metrics can show: its own, and the loop's (stack: trainer, policy)."""
-    from serving.loop_metrics import LoopCollector, LoopWatcher
+    from loop.metrics import LoopCollector, LoopWatcher
     from serving.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()

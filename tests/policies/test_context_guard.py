@@ -130,7 +130,7 @@ def test_test_then_train_evidence_carries_the_context_to_the_gate():
     """The default evidence (prequential rows written by the trainer) reaches the gate with each record's
     context position; rows of older five-element files are read, and only those are left unsliced."""
     from adaptive_eagle.evidence import CandidateEvidence
-    from serving.candidates import evidence_samples
+    from loop.candidates import evidence_samples
 
     cfg = small_config(min_samples=200, offline_max_samples=5000)
     champion, candidate = short_gain_long_loss()

@@ -392,7 +392,7 @@ def test_evidence_that_closes_undecided_is_rejected_as_inconclusive(tmp_path, re
 
 
 def test_the_feed_rereads_growing_evidence_and_refuses_a_malformed_file(tmp_path, registry_template):
-    """serving.candidates.CandidateFeed with test-then-train candidates: each is re-read whenever its evidence
+    """loop.candidates.CandidateFeed with test-then-train candidates: each is re-read whenever its evidence
     grew (not otherwise), judged by the real controller, and a malformed evidence file is refused with its
     reason and never considered again."""
     import asyncio
@@ -401,7 +401,7 @@ def test_the_feed_rereads_growing_evidence_and_refuses_a_malformed_file(tmp_path
 
     from adaptive_eagle.checkpoint import HeadMeta
     from adaptive_eagle.evidence import CandidateEvidence, evidence_path, write_evidence
-    from serving.candidates import CandidateFeed
+    from loop.candidates import CandidateFeed
 
     w = make_world(tmp_path, registry_template)
     w.ctrl.config = CFG.model_copy(update={"min_samples": 20})

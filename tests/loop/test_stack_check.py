@@ -1,4 +1,4 @@
-"""The stack's consistency check (serving/stack_check.py): every shipped config passes it, each rule refuses
+"""The stack's consistency check (loop/check.py): every shipped config passes it, each rule refuses
 what would leave a stage unreachable or unsafe and names every field involved, `up --check` prints it, a
 stack refuses to start on it, and under the stack's own defaults the trainer really writes a candidate the
 offline gate can judge."""
@@ -16,8 +16,8 @@ from adaptive_eagle.checkpoint import HeadMeta
 from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import SamplingParams
-from serving.stack_check import check_stack
-from serving.stack_config import StackConfigError, load_stack_config, parse_stack_config
+from loop.check import check_stack
+from loop.config import StackConfigError, load_stack_config, parse_stack_config
 
 REPO = Path(__file__).resolve().parents[2]
 SECRETS = {"AE_ADMIN_TOKEN": "t", "AE_API_KEY": "k", "AE_REDIS_PASSWORD": "p", "AE_REDIS_HOST": "10.0.0.5"}
@@ -129,7 +129,7 @@ def test_up_check_prints_the_problems_and_starts_nothing(tmp_path):
 
 
 def test_a_stack_refuses_to_start_before_creating_anything(tmp_path):
-    from serving.stack import LocalStack
+    from loop.stack import LocalStack
 
     cfg = parse_stack_config({"state_dir": str(tmp_path / "state"), "trainer": {"heldout_per_domain": 100}})
     with pytest.raises(StackConfigError, match="cannot do its job"):
@@ -146,7 +146,7 @@ def test_under_the_stack_defaults_the_trainer_itself_writes_a_candidate_the_gate
     from adaptive_eagle.evidence import read_evidence
     from feature_store.writer import write_records
     from policies.gates import CONTINUE, sequential_offline_gate
-    from serving.candidates import evidence_samples, prequential
+    from loop.candidates import evidence_samples, prequential
     from tests.adaptive_eagle.test_engine import tiny_setup
     from trainer.nearline import NearlineTrainer
 

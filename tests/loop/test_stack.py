@@ -14,10 +14,10 @@ import torch
 from typer.testing import CliRunner
 
 from adaptive_eagle.checkpoint import HeadMeta
-from serving.candidates import CandidateFeed, replay_samples
-from serving.load_signal import LoadPublisher, LoadSignal
-from serving.stack import LocalStack
-from serving.stack_config import StackConfigError, defaults_yaml, load_stack_config, parse_stack_config
+from loop.candidates import CandidateFeed, replay_samples
+from loop.load_signal import LoadPublisher, LoadSignal
+from loop.stack import LocalStack
+from loop.config import StackConfigError, defaults_yaml, load_stack_config, parse_stack_config
 from tests.serving.conftest import make_target, tiny_head
 
 MODEL = "tiny-eagle"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from serving.stack_config import StackConfig, StackConfigError
+from loop.config import StackConfig, StackConfigError
 
 
 @dataclass(frozen=True)

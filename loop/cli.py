@@ -1,4 +1,4 @@
-"""Serving's commands (a Typer sub-app mounted by adaptive_eagle_cli): `adaptive-eagle up`.
+"""The loop's commands (a Typer sub-app mounted by adaptive_eagle_cli): `adaptive-eagle up`.
 
 Owns: reading the stack config, printing where everything is, and waiting for Ctrl-C / SIGTERM to
 stop the stack cleanly. Must not touch: starting the parts (stack.py).
@@ -13,10 +13,10 @@ from typing import Optional
 
 import typer
 
-serving_app = typer.Typer(add_completion=False)
+loop_app = typer.Typer(add_completion=False)
 
 
-@serving_app.command("up")
+@loop_app.command("up")
 def up(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="stack config (YAML); see --print-config"),
     port: Optional[int] = typer.Option(None, help="gateway port (overrides serving.port; 0: any free port)"),
@@ -27,7 +27,7 @@ def up(
 ) -> None:
     """Start the whole loop: Ray, the feature store, server replicas, near-line training, the promotion
     policy and the OpenAI-compatible gateway. Ctrl-C (or SIGTERM) stops all of it."""
-    from serving.stack_config import StackConfigError, defaults_yaml, load_stack_config
+    from loop.config import StackConfigError, defaults_yaml, load_stack_config
 
     if print_config:
         typer.echo(defaults_yaml(), nl=False)
@@ -49,7 +49,7 @@ def up(
 
 def check_config(cfg, source: str) -> None:
     """`up --check`: every problem on a line of its own (the fields involved, what to change), then notes."""
-    from serving.stack_check import check_stack
+    from loop.check import check_stack
 
     result = check_stack(cfg)
     for line in result.lines():
@@ -61,7 +61,7 @@ def check_config(cfg, source: str) -> None:
 
 
 def run_until_signal(cfg) -> None:
-    from serving.stack import LocalStack
+    from loop.stack import LocalStack
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}

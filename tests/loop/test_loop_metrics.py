@@ -1,4 +1,4 @@
-"""The loop's metrics (serving/loop_metrics.py) from plain readers and a simulated clock: states reduced to one
+"""The loop's metrics (loop/metrics.py) from plain readers and a simulated clock: states reduced to one
 label, ages computed at scrape time, a part that stops answering shown as unreachable and counted (never its
 last good value), the promotion log followed as it grows (its newest event and newest promotion), and the drift signal per
 domain."""
@@ -6,7 +6,7 @@ domain."""
 from prometheus_client import CollectorRegistry, generate_latest
 
 from policies.log import PromotionLog
-from serving.loop_metrics import LoopCollector, LoopWatcher, PromotionLogFollower, trainer_state_class
+from loop.metrics import LoopCollector, LoopWatcher, PromotionLogFollower, trainer_state_class
 from trainer.drift import DriftMonitor
 
 

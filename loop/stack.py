@@ -1,9 +1,9 @@
 """LocalStack: the whole loop from one StackConfig — what `adaptive-eagle up` runs.
 
-Owns: the order of starting and stopping, as named steps: the config check (stack_check.py, nothing starts
+Owns: the order of starting and stopping, as named steps: the config check (check.py, nothing starts
 when a stage could not work) → state dir and registry → admin token → store → Ray → server replicas
 (ServerActors) → gateway (uvicorn) → load signal → trainer (TrainerActor) → policy (PolicyActor +
-CandidateFeed) → the loop's metrics (loop_metrics.py); stop runs them backwards. Also `StackInfo`, where
+CandidateFeed) → the loop's metrics (metrics.py); stop runs them backwards. Also `StackInfo`, where
 everything is. Must not touch: what each part does (serving, trainer, policies own that).
 
 Where the policy runs: in the gateway's process, on an event loop thread of its own. The fleet it
@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 from pydantic import SecretStr
 
-from serving.stack_config import StackConfig
+from loop.config import StackConfig
 
 log = logging.getLogger(__name__)
 LOAD_FILE, TOKEN_FILE = "load.json", "admin_token"
@@ -88,7 +88,7 @@ class LocalStack:
 
     # ---- start ------------------------------------------------------------------------------------
     def start(self) -> StackInfo:
-        from serving.stack_check import check_stack
+        from loop.check import check_stack
 
         # before anything starts: a stage that cannot work is refused
         check = check_stack(self.config, serving_target=self.target_builder is None)
@@ -188,7 +188,7 @@ class LocalStack:
         self.gateway.start(timeout=600.0)  # the lifespan waits for replicas that still load their target
 
     def _load_signal(self) -> None:
-        from serving.load_signal import LoadPublisher, LoadSignal
+        from loop.load_signal import LoadPublisher, LoadSignal
 
         t = self.config.trainer
         self.signal = LoadSignal(str(self.config.state_path / LOAD_FILE), t.yield_queue_depth, t.yield_when_busy)
@@ -213,7 +213,7 @@ class LocalStack:
 
     def _policy(self) -> None:
         from policies.actor import PolicyActor
-        from serving.candidates import CandidateFeed
+        from loop.candidates import CandidateFeed
 
         c = self.config
         if not c.policy.enabled:
@@ -233,8 +233,8 @@ class LocalStack:
         ready.wait(10)
 
     def _watch(self) -> None:
-        """The loop's own metrics on the gateway's /metrics (loop_metrics.py): trainer, candidates, policy."""
-        from serving.loop_metrics import LoopCollector, LoopWatcher, PromotionLogFollower, newest_candidate_time
+        """The loop's own metrics on the gateway's /metrics (metrics.py): trainer, candidates, policy."""
+        from loop.metrics import LoopCollector, LoopWatcher, PromotionLogFollower, newest_candidate_time
 
         trainer, c = self.trainer, self.config
 
