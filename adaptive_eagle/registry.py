@@ -65,8 +65,8 @@ from adaptive_eagle.checkpoint import (
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.evidence import EVIDENCE_DIR
 from adaptive_eagle.targets import Target
+from adaptive_eagle.versions import PLAIN  # the champion that means plain decoding (no head)
 
-PLAIN = "none"  # the champion that means plain decoding (no head)
 CHAMPION_FILE, PINNED_FILE, BLOCKED_FILE, LOCK_FILE = "champion.json", "pinned.json", "blocked.json", ".lock"
 CONTROL_FILES = (CHAMPION_FILE, PINNED_FILE, BLOCKED_FILE)
 REGISTRY_FORMAT = 1

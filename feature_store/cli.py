@@ -127,7 +127,7 @@ def export(out: Path = typer.Argument(..., help="output file (.parquet or .jsonl
            fmt: Optional[str] = typer.Option(None, "--format", help="parquet | jsonl (default: from the suffix)"),
            since: Optional[str] = typer.Option(None, help="window start: unix seconds or ISO time (UTC)"),
            until: Optional[str] = typer.Option(None, help="window end (exclusive)"),
-           head_version: Optional[str] = typer.Option(None, help="only records of this head version"),
+           head_version: Optional[str] = typer.Option(None, help="only records of this head version (\"none\": plain decoding)"),
            domain: Optional[str] = typer.Option(None, help="only records with this domain tag"),
            hidden: str = typer.Option("none", help="parquet: none | encoded | float32")) -> None:
     """Export a window of records: Parquet, or SpecForge-style {id, conversations} JSONL with token ids."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from adaptive_eagle.trace import TraceRecord
+from adaptive_eagle.versions import version_label
 from feature_store.backend import Backend, BackendStats, open_backend
 from feature_store.config import StoreConfig
 from feature_store.schema import CorruptRecordError, decode_record
@@ -22,7 +23,7 @@ from feature_store.schema import CorruptRecordError, decode_record
 class RecordFilter:
     since: float | None = None  # unix seconds, inclusive
     until: float | None = None  # unix seconds, exclusive
-    head_versions: frozenset[str] | None = None  # None: any; use "" for plain decoding (head_version None)
+    head_versions: frozenset[str] | None = None  # None: any; PLAIN ("none") for plain decoding (head_version None)
     domains: frozenset[str] | None = None  # None: any; use "" for untagged records
 
     def matches(self, r: TraceRecord) -> bool:
@@ -30,7 +31,7 @@ class RecordFilter:
             return False
         if self.until is not None and r.created_at >= self.until:
             return False
-        if self.head_versions is not None and (r.head_version or "") not in self.head_versions:
+        if self.head_versions is not None and version_label(r.head_version) not in self.head_versions:
             return False
         return self.domains is None or (r.domain or "") in self.domains
 

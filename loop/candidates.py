@@ -24,7 +24,8 @@ import logging
 from typing import Optional
 
 from adaptive_eagle.evidence import CandidateEvidence, EvidenceError, read_evidence
-from policies.samples import PLAIN, RequestSample
+from adaptive_eagle.versions import PLAIN
+from policies.samples import RequestSample
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ the stack fills in is held to the same rules as a value written in the file.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError

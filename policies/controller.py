@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping, Protocol, Sequence
 
+from adaptive_eagle.versions import PLAIN
+
 from policies.config import PolicyConfig
 from policies.fleet import Fleet
 from policies.gates import (
@@ -36,7 +38,7 @@ from policies.gates import (
     rollback_check,
 )
 from policies.log import PromotionLog
-from policies.samples import PLAIN, RequestSample
+from policies.samples import RequestSample
 
 log = logging.getLogger(__name__)
 State = Literal["idle", "offline_gate", "canary", "watching"]

@@ -19,7 +19,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
-from policies.samples import RequestSample, version_label
+from adaptive_eagle.versions import version_label
+
+from policies.samples import RequestSample
 
 
 @runtime_checkable

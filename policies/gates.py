@@ -35,8 +35,9 @@ import numpy as np
 from scipy.stats import bootstrap
 
 from adaptive_eagle.positions import bucket_label, bucket_of
+from adaptive_eagle.versions import PLAIN
 from policies.config import PolicyConfig
-from policies.samples import PLAIN, RequestSample
+from policies.samples import RequestSample
 from policies.sequential import paired_tail_path, quantile_bound
 
 Action = Literal["promote", "reject", "continue", "rollback", "hold"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PLAIN = "none"  # the head version of plain decoding (no draft head)
+from adaptive_eagle.versions import PLAIN
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,3 @@ class RequestSample:
         if self.context is not None and not self.context >= 0:
             raise ValueError(f"context must be >= 0 tokens (or None: not known), got {self.context}")
 
-
-def version_label(version: str | None) -> str:
-    """Engine heads use None for plain decoding; the registry and the policy use "none"."""
-    return PLAIN if version is None else version

@@ -37,8 +37,8 @@ from adaptive_eagle.engine import GenerationError, SpeculativeEngine
 from adaptive_eagle.pacing import Pacer
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import TraceRecord
-from policies.samples import version_label
-from serving.messages import PLAIN, DecodeRequest
+from adaptive_eagle.versions import PLAIN, engine_version, version_label
+from serving.messages import DecodeRequest
 
 
 class RequestError(ValueError):
@@ -258,7 +258,7 @@ class ReferenceBackend:
                     ms = (time.perf_counter() - t0) * 1e3
                     return SwapResult(False, f"refused {version}: {e}; {current} keeps serving",
                                       self.engine.head_version, ms)
-                res, how = self.engine.set_head(loaded, None if version == PLAIN else version, adopt=True), "loaded"
+                res, how = self.engine.set_head(loaded, engine_version(version), adopt=True), "loaded"
             if not res.ok:
                 return res
             self._previous = old if self.keep_previous else None
@@ -287,7 +287,7 @@ class ReferenceBackend:
                                   current.version if current else None)
             try:
                 binding = self._prepared(version) or self.engine.bind(
-                    self._load(version), None if version == PLAIN else version, adopt=True)
+                    self._load(version), engine_version(version), adopt=True)
             except Exception as e:  # noqa: BLE001 - missing, checksum, shape: the old canary (if any) stays
                 return SwapResult(False, f"refused canary {version}: {e}", current.version if current else None,
                                   (time.perf_counter() - t0) * 1e3)

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.messages import PLAIN
+from adaptive_eagle.versions import PLAIN
 
 
 class CapturePolicy(BaseModel):

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adaptive_eagle.trace import SamplingParams
 
-PLAIN = "none"  # the head version of plain decoding (same label as the registry and the policy)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a sampling seed is a signed 64-bit integer (torch.Generator, the store)
 # Sampling parameters too close to their limit for float32 logits decode as that limit: a temperature this small
 # is greedy decoding (smaller ones overflow logits / temperature), a top_p this small keeps the top token alone

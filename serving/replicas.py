@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from adaptive_eagle.versions import PLAIN, engine_version
 from serving.config import ServingConfig
-from serving.messages import PLAIN
 from serving.server import DecodeServer, settle_heap
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class ReplicaBuilder:
                 raise ValueError(f"initial_head {version!r} needs registry_path")
             head = registry.load(version, target, device=target.device)
         engine = SpeculativeEngine(target, head, EngineConfig(**cfg.engine.model_dump()),
-                                   head_version=None if version == PLAIN else version)
+                                   head_version=engine_version(version))
         return ReferenceBackend(engine, registry, cfg.max_prompt_tokens, swap_cpu_share=cfg.swap_cpu_share)
 
     def _sglang(self, registry, version: str):

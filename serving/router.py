@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Protocol
 
 from adaptive_eagle.binding import SwapResult
-from serving.messages import PLAIN, DecodeRequest, Event, ServerStatus
+from adaptive_eagle.versions import version_label
+from serving.messages import DecodeRequest, Event, ServerStatus
 from serving.server import DecodeServer
 
 
@@ -118,7 +119,7 @@ class Router:
     def set_version(self, replica: Replica, version: Optional[str]) -> None:
         for s in self.slots:
             if s.replica is replica:
-                s.version = PLAIN if version is None else version
+                s.version = version_label(version)
 
     # ---- leasing --------------------------------------------------------------------------------
     def _pool(self, head: Optional[str]):

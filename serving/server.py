@@ -26,9 +26,10 @@ from typing import AsyncIterator, Callable, Iterator, Optional
 
 from adaptive_eagle.binding import SwapResult
 from adaptive_eagle.engine import GenerationError
+from adaptive_eagle.versions import version_label
 from serving.backend import Backend, BackendResult, RequestError, TokenChunk
 from serving.capture import CapturePolicy, CaptureSampler
-from serving.messages import (PLAIN, DecodeRequest, Delta, Event, Finished, Refused, ServerStatus, SpecMetrics,
+from serving.messages import (DecodeRequest, Delta, Event, Finished, Refused, ServerStatus, SpecMetrics,
                               Started)
 from serving.metrics import context_fields
 
@@ -93,7 +94,7 @@ def spec_metrics(result: BackendResult, backend: str, replica: str, captured: st
     steps = result.trace.steps
     n = len(result.token_ids)
     return SpecMetrics(
-        head_version=result.trace.head_version or PLAIN, accept_length=round(result.trace.accept_length_mean, 4),
+        head_version=version_label(result.trace.head_version), accept_length=round(result.trace.accept_length_mean, 4),
         verify_steps=len(steps), draft_tokens=sum(s.tree_size for s in steps),
         accepted_drafts=sum(s.accept_length for s in steps), backend=backend, replica=replica,
         elapsed_s=round(result.elapsed_s, 6), tpot_s=round(result.elapsed_s / n, 6) if n else 0.0,
@@ -180,7 +181,7 @@ class DecodeServer:
     def _capture(self, request: DecodeRequest, result: BackendResult) -> str:
         trace = result.trace
         hidden = trace.aux_hidden.nbytes if trace.aux_hidden is not None else 0
-        d = self.sampler.decide(trace.accept_length_mean, trace.head_version or PLAIN, hidden,
+        d = self.sampler.decide(trace.accept_length_mean, version_label(trace.head_version), hidden,
                                 8 * len(trace.input_ids), consent=request.capture)
         if self.writer is None:
             return d.label if not d.keep else "no"

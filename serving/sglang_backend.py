@@ -41,8 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adaptive_eagle.binding import SwapResult
 from adaptive_eagle.trace import TraceRecord
+from adaptive_eagle.versions import PLAIN, engine_version
 from serving.backend import BackendItem, BackendResult, RequestError, TokenChunk, prompt_field
-from serving.messages import PLAIN, DecodeRequest
+from serving.messages import DecodeRequest
 from serving.sglang_protocol import (ENDPOINTS, SGLangAborted, SGLangError, SGLangProtocolError, StreamAssembler,
                                      error_of, finish_reason_of, generate_body, served_version,
                                      verify_steps_from_meta, warmup_body)
@@ -193,7 +194,7 @@ def trace_from_response(request: DecodeRequest, prompt_ids: list[int], output_id
                         head_version: str, fingerprint: str, draft_tokens: int) -> TraceRecord:
     ids = list(prompt_ids) + list(output_ids)
     return TraceRecord(request_id=request.request_id, target_fingerprint=fingerprint,
-                       head_version=None if head_version == PLAIN else head_version, backend="sglang",
+                       head_version=engine_version(head_version), backend="sglang",
                        input_ids=tuple(ids), loss_mask=tuple([0] * len(prompt_ids) + [1] * len(output_ids)),
                        steps=verify_steps_from_meta(meta, draft_tokens), tenant=request.tenant,
                        sampling=request.sampling(), domain=request.domain, capture_consent=request.capture)

@@ -48,6 +48,7 @@ from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.targets import Target, cpu_has_fast_bf16, load_target, resolve_device
 from adaptive_eagle.trace import TraceRecord
+from adaptive_eagle.versions import PLAIN
 from feature_store.backend import StoreUnavailable
 from feature_store.reader import StoreReader
 from feature_store.schema import decode_record, encode_record
@@ -65,7 +66,6 @@ from trainer.warm_start import head_from_traffic
 
 log = logging.getLogger(__name__)
 
-PLAIN = "none"
 STATE = "state"
 SEEN_REQUESTS = 50_000  # request ids remembered for de-duplication across restarts
 

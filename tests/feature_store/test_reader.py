@@ -1,5 +1,6 @@
 """Reader side: filters by time window, head version and domain; filtered records are acked."""
 
+from adaptive_eagle.versions import PLAIN
 from feature_store.reader import RecordFilter, StoreReader
 from feature_store.writer import StoreWriter
 from tests.feature_store.conftest import make_record
@@ -26,5 +27,5 @@ def test_filters_by_time_window_head_version_and_domain(local_cfg):
     assert got == ["req-5", "req-6", "req-7", "req-8", "req-9"]
     got, _ = read("code", RecordFilter(domains=frozenset({"code"}), head_versions=frozenset({"v1"})))
     assert got == ["req-1", "req-3"]
-    got, _ = read("plain", RecordFilter(head_versions=frozenset({""}), domains=frozenset({""})))
+    got, _ = read("plain", RecordFilter(head_versions=frozenset({PLAIN}), domains=frozenset({""})))
     assert got == ["req-99"]

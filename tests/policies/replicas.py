@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaptive_eagle.versions import PLAIN
 from policies.fleet import LocalFleet
-from policies.samples import PLAIN, RequestSample
+from policies.samples import RequestSample
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pytest
 
 from adaptive_eagle.registry import HeadRegistry
+from adaptive_eagle.versions import PLAIN
 from policies.controller import PolicyController, rollback_champion
 from policies.fleet import Canary, LocalFleet
 from policies.gates import CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK
 from policies.log import PromotionLog
-from policies.samples import PLAIN
 from tests.policies.helpers import replay, small_config
 from tests.policies.replicas import FakeClock, RecordingReplica, Traffic
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from adaptive_eagle.versions import PLAIN
 from policies.fleet import Fleet, LocalFleet, SwapOutcome
-from policies.samples import PLAIN, RequestSample
+from policies.samples import RequestSample
 from tests.policies.replicas import Outcome, RecordingReplica
 
 

@@ -9,11 +9,12 @@ from dataclasses import FrozenInstanceError
 import numpy as np
 import pytest
 
+from adaptive_eagle.versions import PLAIN
 from policies.gates import (
     CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK, Decision, canary_gate, cold_start_gate, compare, offline_gate,
     pair_by_request, rollback_check, tail_of,
 )
-from policies.samples import PLAIN, RequestSample
+from policies.samples import RequestSample
 from tests.policies.helpers import accept_lengths, samples
 from tests.policies.helpers import small_config as _small_config
 
