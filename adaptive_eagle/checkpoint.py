@@ -5,10 +5,13 @@ Owns: one version directory ``<version>/{config.json, model.safetensors, head.js
 ``AdaptiveEagleMoEForCausalLMEagle3``, a name SGLang and vLLM refuse, since both would load it as
 their dense head and silently skip the expert weights), the one function that upgrades old or
 foreign config layouts (``upgrade_config``), the checks every load runs (``HeadValidationError``),
-and the head's storage dtype names. Writes go through ``atomic.py`` (``staging_dir`` is re-exported
-here for older callers). Must not touch: export to / import from other stacks (``interop.py``), the head math
-(``draft_head.py``), the registry's champion pointer or promotion log, the network. Only
-safetensors and JSON are read or written; nothing is ever unpickled.
+and the head's storage dtype names. Public beyond save / load (``__all__``), for a second loader such as
+``interop.py``'s import: the readers (``read_json``, ``read_safetensors``), the tensor naming
+(``canonical_key``), the checks (``parse_config``, ``check_target``, ``check_tensors``), the assembly of a
+checked head (``storage_dtype``, ``fill_head``) and the config.json writer (``config_json``). Writes go
+through ``atomic.py`` (``staging_dir`` is re-exported here for older callers). Must not touch: export to /
+import from other stacks (``interop.py``), the head math (``draft_head.py``), the registry's champion pointer
+or promotion log, the network. Only safetensors and JSON are read or written; nothing is ever unpickled.
 
 Tensor names in ``model.safetensors`` are the head's state-dict keys minus ``embed_tokens.weight``
 (embeddings come from the target, frozen). Loading also accepts SGLang's / speculators'
@@ -162,8 +165,10 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_k
 _MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef")
 
 
-def _config_json(f: dict, torch_dtype: str) -> dict:
-    """config.json (current layout) from DraftHeadConfig.to_dict()-shaped fields."""
+def config_json(f: dict, torch_dtype: str) -> dict:
+    """config.json in the current layout (what save_head writes) from DraftHeadConfig.to_dict()-shaped fields
+    `f` and the storage dtype's name (storage_dtype_name). Public: the speculators export builds its
+    transformer_layer_config from it."""
     ids = [int(k) for k in f["aux_layer_ids"]]
     return {
         "architectures": [MOE_ARCH if f["num_experts"] > 1 else SGLANG_ARCH], "model_type": "llama",
@@ -282,10 +287,11 @@ def upgrade_config(raw: dict, *, num_target_layers: int | None = None) -> dict:
         moe_intermediate_size=block.get("moe_intermediate_size"),
         router_aux_loss_coef=block.get("router_aux_loss_coef", 0.01),
     )
-    return _config_json(fields, str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
+    return config_json(fields, str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
+    """A head directory's JSON file; a missing or malformed file is refused (HeadValidationError naming it)."""
     if not path.is_file():
         raise HeadValidationError(path, "missing")
     try:
@@ -294,7 +300,10 @@ def _read_json(path: Path) -> Any:
         raise HeadValidationError(path, f"malformed JSON ({e})") from None
 
 
-def _config_from_dict(raw: dict, path: Path, target: Target | None) -> tuple[DraftHeadConfig, dict]:
+def parse_config(raw: dict, path: Path, target: Target | None) -> tuple[DraftHeadConfig, dict]:
+    """A config.json of any known layout (`raw`, read from `path`) as (the checked DraftHeadConfig, the
+    config upgraded to the current layout: upgrade_config). `target` supplies the layer count when the file
+    names no aux layer ids. Any refusal is a HeadValidationError naming `path`."""
     try:
         upgraded = upgrade_config(raw, num_target_layers=target.num_layers if target is not None else None)
         flat = {**upgraded, **upgraded["adaptive_eagle"]}
@@ -310,7 +319,7 @@ def _config_from_dict(raw: dict, path: Path, target: Target | None) -> tuple[Dra
 def read_config(directory: str | os.PathLike, target: Target | None = None) -> DraftHeadConfig:
     """The DraftHeadConfig of a head directory (any known layout; see upgrade_config)."""
     path = Path(directory) / CONFIG_FILE
-    return _config_from_dict(_read_json(path), path, target)[0]
+    return parse_config(read_json(path), path, target)[0]
 
 
 # ---- tensors --------------------------------------------------------------------------------
@@ -324,12 +333,16 @@ def file_sha256(path: str | os.PathLike, pace: Pacer | None = None) -> str:
     return h.hexdigest()
 
 
-def _canonical_key(name: str) -> str:
+def canonical_key(name: str) -> str:
+    """A tensor's name in our layout: SGLang's / speculators' ``layers.0.*`` reads as ``midlayer.*``, a leading
+    ``model.`` is dropped."""
     name = name.removeprefix("model.")
     return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, on the CPU (the only way a head's weights are read: nothing is
+    unpickled); a missing, truncated or corrupt file is refused (HeadValidationError naming it)."""
     if not path.is_file():
         raise HeadValidationError(path, "missing")
     try:
@@ -338,12 +351,14 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise HeadValidationError(path, f"unreadable safetensors file, truncated or corrupt ({e})") from None
 
 
-def _check_tensors(head: Eagle3DraftHead, raw: dict[str, torch.Tensor], where: Path | str,
-                   pace: Pacer | None = None) -> dict[str, torch.Tensor]:
-    """Canonical names, then names / shapes / dtypes / finiteness / vocab map against `head`'s layout."""
+def check_tensors(head: Eagle3DraftHead, raw: dict[str, torch.Tensor], where: Path | str,
+                  pace: Pacer | None = None) -> dict[str, torch.Tensor]:
+    """`raw` under canonical names (canonical_key; the embeddings dropped: they come from the target), checked
+    against `head`'s layout: names, shapes, dtypes, finiteness and the d2t / t2d vocab map. `head` may live on
+    the meta device (only its layout is read). Refusals are HeadValidationErrors naming `where`."""
     tensors: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
-        key = _canonical_key(name)
+        key = canonical_key(name)
         if key in tensors:
             raise HeadValidationError(where, f"tensor {name!r} duplicates {key!r}")
         tensors[key] = t
@@ -381,7 +396,11 @@ def _check_vocab_map(cfg: DraftHeadConfig, d2t: torch.Tensor, t2d: torch.Tensor,
         raise HeadValidationError(where, "d2t and t2d disagree: arange + d2t must hit exactly the True rows of t2d")
 
 
-def _check_target(cfg: DraftHeadConfig, meta: HeadMeta | None, target: Target, where: Path, allow_fp: bool) -> None:
+def check_target(cfg: DraftHeadConfig, target: Target, where: Path, meta: HeadMeta | None = None, *,
+                 allow_fingerprint_mismatch: bool = False) -> None:
+    """Refuse (HeadValidationError naming `where`) a head config that cannot draft for `target`: vocab, widths
+    and aux layer ids must match; with `meta`, a pinned target fingerprint must too, unless
+    `allow_fingerprint_mismatch`."""
     tc, n = target.config, target.num_layers
     if cfg.vocab_size != tc.vocab_size:
         raise HeadValidationError(where, f"vocab_size {cfg.vocab_size} != target {target.name!r} vocab_size "
@@ -396,7 +415,8 @@ def _check_target(cfg: DraftHeadConfig, meta: HeadMeta | None, target: Target, w
     if tuple(cfg.aux_layer_ids) != tuple(target.aux_layer_ids):
         raise HeadValidationError(where, f"aux layer ids {list(cfg.aux_layer_ids)} != the target's configured "
                                          f"{list(target.aux_layer_ids)} (input-of-layer convention)")
-    if meta is not None and meta.target_fingerprint and meta.target_fingerprint != target.fingerprint and not allow_fp:
+    if (meta is not None and meta.target_fingerprint and meta.target_fingerprint != target.fingerprint
+            and not allow_fingerprint_mismatch):
         raise HeadValidationError(where.parent / META_FILE, f"target fingerprint {meta.target_fingerprint} != loaded "
                                   f"target {target.fingerprint} (allow_fingerprint_mismatch=True loads anyway)")
 
@@ -415,8 +435,8 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, pace: Pacer | None) -> torch.Tens
     return out
 
 
-def _fill_head(head: Eagle3DraftHead, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-               target: Target | None, share_embeddings: bool = False, pace: Pacer | None = None) -> Eagle3DraftHead:
+def fill_head(head: Eagle3DraftHead, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+              target: Target | None, share_embeddings: bool = False, pace: Pacer | None = None) -> Eagle3DraftHead:
     """Make `head` hold exactly `tensors` (cast to dtype) and the target's frozen embeddings (zeros without one;
     a copy unless `share_embeddings`, which reads the target's own tensor when its dtype is `dtype`)."""
     state = {k: _cast(t, dtype, pace) if t.is_floating_point() else t for k, t in tensors.items()}
@@ -441,7 +461,9 @@ def storage_dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _float_dtype(config: dict, tensors: dict[str, torch.Tensor]) -> torch.dtype:
+def storage_dtype(config: dict, tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype a head was stored in: its (upgraded) config's torch_dtype, else that of its first floating
+    tensor, else float32."""
     try:
         return parse_dtype(config["torch_dtype"])
     except (KeyError, ValueError, AttributeError):  # absent, unknown or not a string: the tensors decide
@@ -465,9 +487,9 @@ def save_head(head: Eagle3DraftHead, directory: str | os.PathLike, meta: HeadMet
     tensors = {k: (t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()).contiguous()
                for k, t in head.state_dict().items() if k != EMBED_KEY}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
-    _check_tensors(head, tensors, f"{final} (head being saved as {dtype_name})")
+    check_tensors(head, tensors, f"{final} (head being saved as {dtype_name})")
     with staging_dir(final, overwrite) as tmp:
-        (tmp / CONFIG_FILE).write_text(json.dumps(_config_json(head.cfg.to_dict(), dtype_name), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config_json(head.cfg.to_dict(), dtype_name), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = dataclasses.replace(meta, sha256=file_sha256(tmp / WEIGHTS_FILE), format_version=FORMAT_VERSION,
                                    created=meta.created or utc_now_iso())
@@ -509,22 +531,24 @@ def load_head(directory: str | os.PathLike, target: Target | None = None, *, dev
         if not (d / name).is_file():
             raise HeadValidationError(d / name, "missing")
     meta = HeadMeta.from_json((d / META_FILE).read_text(), d / META_FILE)
-    cfg, upgraded = _config_from_dict(_read_json(d / CONFIG_FILE), d / CONFIG_FILE, target)
+    cfg, upgraded = parse_config(read_json(d / CONFIG_FILE), d / CONFIG_FILE, target)
     if target is not None:
-        _check_target(cfg, meta, target, d / CONFIG_FILE, allow_fingerprint_mismatch)
+        check_target(cfg, target, d / CONFIG_FILE, meta, allow_fingerprint_mismatch=allow_fingerprint_mismatch)
     if verify_checksum and (digest := file_sha256(d / WEIGHTS_FILE, pace)) != meta.sha256:
         raise HeadValidationError(d / WEIGHTS_FILE, f"sha256 mismatch: file {digest[:16]}…, head.json "
                                                     f"{meta.sha256[:16]}…")
     with torch.device("meta"):  # the reference layout without storage: every tensor comes from the file or the target
         head = Eagle3DraftHead(cfg)  # (a randomly initialised head would cost a hot swap ~0.25 s of CPU for nothing)
-    tensors = _check_tensors(head, _read_safetensors(d / WEIGHTS_FILE), d / WEIGHTS_FILE, pace)
-    head = _fill_head(head, tensors, dtype or _float_dtype(upgraded, tensors), target, share_embeddings,
+    tensors = check_tensors(head, read_safetensors(d / WEIGHTS_FILE), d / WEIGHTS_FILE, pace)
+    head = fill_head(head, tensors, dtype or storage_dtype(upgraded, tensors), target, share_embeddings,
                       pace).to(device)
     return LoadedHead(head=head, meta=meta, config=cfg)
 
 
 __all__ = [
-    "FORMAT_VERSION", "MOE_ARCH", "SGLANG_ARCH", "TOP_LEVEL_IDS", "HeadMeta", "HeadValidationError", "LoadedHead",
-    "file_sha256", "load_head", "read_config",
-    "save_head", "staging_dir", "storage_dtype_name", "update_metrics", "upgrade_config", "utc_now_iso",
+    "CONFIG_FILE", "EMBED_KEY", "FORMAT_VERSION", "META_FILE", "MOE_ARCH", "SGLANG_ARCH", "TOP_LEVEL_IDS",
+    "WEIGHTS_FILE", "HeadMeta", "HeadValidationError", "LoadedHead",
+    "canonical_key", "check_target", "check_tensors", "config_json", "file_sha256", "fill_head", "load_head",
+    "parse_config", "read_config", "read_json", "read_safetensors", "save_head", "staging_dir", "storage_dtype",
+    "storage_dtype_name", "update_metrics", "upgrade_config", "utc_now_iso",
 ]

@@ -22,25 +22,25 @@ import torch
 from safetensors.torch import save_file
 
 from adaptive_eagle.atomic import staging_dir
-from adaptive_eagle.checkpoint import (  # the private helpers are this package's shared checks
+from adaptive_eagle.checkpoint import (  # the format's public checks and readers, the ones load_head runs
     CONFIG_FILE,
     EMBED_KEY,
     TOP_LEVEL_IDS,
     WEIGHTS_FILE,
     HeadMeta,
     HeadValidationError,
-    _canonical_key,
-    _check_target,
-    _check_tensors,
-    _config_from_dict,
-    _config_json,
-    _fill_head,
-    _float_dtype,
-    _read_json,
-    _read_safetensors,
+    canonical_key,
+    check_target,
+    check_tensors,
+    config_json,
     file_sha256,
+    fill_head,
     load_head,
+    parse_config,
+    read_json,
+    read_safetensors,
     save_head,
+    storage_dtype,
     storage_dtype_name,
 )
 from adaptive_eagle.draft_head import Eagle3DraftHead
@@ -76,7 +76,7 @@ def export_speculators(head_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                for k, t in loaded.head.state_dict().items() if k != EMBED_KEY}
     dtype_name = storage_dtype_name(loaded.head.fc.weight.dtype)
     arch = (getattr(target.config, "architectures", None) or [type(target.model).__name__]) if target else None
-    layer = {k: v for k, v in _config_json(cfg.to_dict(), dtype_name).items()
+    layer = {k: v for k, v in config_json(cfg.to_dict(), dtype_name).items()
              if k not in ("architectures", "eagle_config", "adaptive_eagle", "draft_vocab_size", "target_hidden_size",
                           TOP_LEVEL_IDS)}
     verifier = {"name_or_path": verifier_name_or_path or (str(target.path) if target else meta.target_name),
@@ -115,7 +115,7 @@ def _read_source_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
     if (src / WEIGHTS_FILE).is_file():
         files = [src / WEIGHTS_FILE]
     elif index.is_file():
-        files = [src / f for f in sorted(set(_read_json(index).get("weight_map", {}).values()))]
+        files = [src / f for f in sorted(set(read_json(index).get("weight_map", {}).values()))]
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -125,7 +125,7 @@ def _read_source_weights(src: Path) -> tuple[dict[str, torch.Tensor], str]:
     tensors: dict[str, torch.Tensor] = {}
     h = hashlib.sha256()
     for f in files:
-        tensors.update(_read_safetensors(f))
+        tensors.update(read_safetensors(f))
         h.update(file_sha256(f).encode())
     return tensors, h.hexdigest()
 
@@ -146,19 +146,19 @@ def import_specforge(src_dir: str | os.PathLike, out_dir: str | os.PathLike, tar
     Without `target` the head is not pinned to a fingerprint (head.json target_fingerprint "").
     """
     src = Path(src_dir)
-    raw = _read_json(src / CONFIG_FILE)
-    cfg, upgraded = _config_from_dict(raw, src / CONFIG_FILE, target)
+    raw = read_json(src / CONFIG_FILE)
+    cfg, upgraded = parse_config(raw, src / CONFIG_FILE, target)
     tensors, digest = _read_source_weights(src)
-    canon = {_canonical_key(k) for k in tensors}
+    canon = {canonical_key(k) for k in tensors}
     if not {"d2t", "t2d"} & canon and cfg.draft_vocab_size == cfg.vocab_size:
         n = cfg.vocab_size
         tensors.update(d2t=torch.zeros(n, dtype=torch.long), t2d=torch.ones(n, dtype=torch.bool))
     if target is not None:
-        _check_target(cfg, None, target, src / CONFIG_FILE, False)
+        check_target(cfg, target, src / CONFIG_FILE)
     head = Eagle3DraftHead(cfg)
-    tensors = _check_tensors(head, tensors, src)
-    float_dtype = dtype or _float_dtype(upgraded, tensors)
-    head = _fill_head(head, tensors, float_dtype, target)
+    tensors = check_tensors(head, tensors, src)
+    float_dtype = dtype or storage_dtype(upgraded, tensors)
+    head = fill_head(head, tensors, float_dtype, target)
     verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     meta = HeadMeta.new(
         version=version or f"import-{digest[:12]}",
