@@ -12,7 +12,11 @@ engine has it) and the default with a fixed tree size.
 Workloads: English (held-out ShareGPT first turns), repetitive (rewrite a given code block: the
 answer quotes its input) and agent (`bench/workloads.agent_prompts`: structured output over varying
 real inputs, served in sequence so later requests can reuse earlier outputs through the engine's
-suffix index; rows there: the plain baselines, HF prompt lookup and the engine's default). Each
+suffix index; rows there: the plain baselines, HF prompt lookup and the engine's default) and sessions
+(long multi-turn agent sessions, `bench/sessions.py`: held-out chat and tool sessions replayed turn by
+turn with plain greedy decoding, so every request carries the whole history and the target's own
+earlier answers; the requests benchmarked are spread over the sessions' context lengths, up to the
+target's context; rows as for agent). Each
 engine row owns its engine (its own suffix index) and engines are built afresh per workload;
 calibration persistence is off, so rows do not feed each other and runs repeat.
 
@@ -20,7 +24,8 @@ Mismatches: every row's output is compared token for token with plain greedy out
 in the SAME compute mode; rows in an inexact mode (bf16, fp16) are also compared with the plain
 output of the exact mode (both reported). Methods run interleaved prompt by prompt, so machine
 noise hits them alike. Ends with one JSON line (speedup_vs_plain, baseline, mismatches,
-agent_speedup_vs_plain, agent_speedup_vs_prompt_lookup, head_install_ms, compute, ...).
+agent_speedup_vs_plain, agent_speedup_vs_prompt_lookup, sessions_speedup_vs_plain,
+sessions_speedup_vs_prompt_lookup, head_install_ms, compute, ...).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ from trainer import data as D  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v2"
 DEFAULT_ROW = "tree+lookup"  # the engine's default configuration
-WORKLOADS = ("english", "repetitive", "agent")
+WORKLOADS = ("english", "repetitive", "agent", "sessions")
+SESSION_CHARS = 16000  # characters of context a session grows to (about 4k tokens): bench/sessions.py
 
 
 def english_prompts(conversations, n: int, max_chars: int = 1200) -> list[str]:
@@ -124,11 +130,11 @@ def build_rows(workload: str, targets: dict, default_mode: str, head, version: s
         engine = SpeculativeEngine(target, head, engine_config(**{**tree, **quiet, **kw}), head_version=version)
         return Row(name, default_mode, _engine_run(engine), speculative=True)
 
-    if workload != "agent":
+    if workload not in ("agent", "sessions"):
         rows.append(spec("chain", topk=1, num_draft_tokens=tree["depth"], prompt_lookup=False, suffix_drafting=False))
         rows.append(spec("tree", prompt_lookup=False, suffix_drafting=False))
     rows.append(spec(DEFAULT_ROW))
-    if workload != "agent":
+    if workload not in ("agent", "sessions"):
         rows.append(spec(f"{DEFAULT_ROW}-fixed", cost_aware=False))
     return rows
 
@@ -141,8 +147,10 @@ def _differs(toks: list[int], ref: list[int]) -> bool:
 
 def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, max_new: int) -> dict:
     """Run every row on every prompt (prompt-major, in order), then tabulate against the fastest plain row."""
+    lengths = []
     for i, prompt in enumerate(prompts):
         ids = encode(prompt)
+        lengths.append(len(ids))
         outputs: dict[str, list[int]] = {}
         for row in rows:
             t0 = time.perf_counter()
@@ -172,7 +180,9 @@ def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, 
         vs_exact = "-" if r["mismatches_vs_exact"] is None else str(r["mismatches_vs_exact"])
         print(f"{n:32s} {r['tokens_per_s']:7.2f} {r['speedup_vs_plain']:7.2f} {r['accept_length_mean']:7.2f} "
               f"{r['mismatches']:5d} {vs_exact:>8s}")
-    return {"baseline": baseline, "prompts": len(prompts), "rows": table}
+    context = {"min": min(lengths), "median": int(statistics.median(lengths)), "max": max(lengths)}
+    print(f"prompt tokens: min {context['min']}, median {context['median']}, max {context['max']}")
+    return {"baseline": baseline, "prompts": len(prompts), "context_tokens": context, "rows": table}
 
 
 def head_install(target, loaded, tree: dict) -> tuple[float, str]:
@@ -192,7 +202,29 @@ def head_install(target, loaded, tree: dict) -> tuple[float, str]:
     return round((time.perf_counter() - t0) * 1e3, 2), "engine construction with the head (no set_head here)"
 
 
-def load_prompts(workload: str, conversations, n: int) -> list | None:
+def session_prompts(conversations, n: int, max_new: int, plain: SpeculativeEngine) -> list[list[dict]]:
+    """`n` requests of long held-out sessions (bench/sessions.py), spread evenly over every turn sent: the
+    sessions are replayed turn by turn with `plain` greedy decoding (the answers every exact row gives too),
+    each request carrying the whole history, up to the target's context less `max_new` tokens."""
+    from bench.sessions import build_sessions, replay
+
+    context = plain.target.config.max_position_embeddings - max_new - 1
+    sessions = build_sessions(D.select(conversations, split="heldout"), max(2, (n + 4) // 5),
+                              min_chars=SESSION_CHARS, answer_chars=4 * max_new)
+    sent: list[list[dict]] = []
+    for sess in sessions:
+        def generate(messages, k):
+            return plain.generate(messages, SamplingParams(max_tokens=max_new)).text
+
+        sent += replay(sess, generate, fits=lambda m: len(plain.encode(m)) <= context)
+    picks = [round(i * (len(sent) - 1) / max(1, n - 1)) for i in range(min(n, len(sent)))]
+    return [sent[i] for i in sorted(set(picks))]
+
+
+def load_prompts(workload: str, conversations, n: int, max_new: int = 128,
+                 plain: SpeculativeEngine | None = None) -> list | None:
+    if workload == "sessions":
+        return session_prompts(conversations, n, max_new, plain)
     if workload == "english":
         return english_prompts(conversations, n)
     if workload == "repetitive":
@@ -219,7 +251,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--workload", choices=[*WORKLOADS, "all"], action="append",
-                    help="repeatable; default: all three")
+                    help="repeatable; default: all four")
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--num-draft-tokens", type=int, default=16)
@@ -248,13 +280,13 @@ def main() -> None:
     results = {}
     with torch.inference_mode():
         for w in workloads:
-            prompts = load_prompts(w, conversations, args.prompts)
+            prompts = load_prompts(w, conversations, args.prompts, args.max_new, encoder)
             if not prompts:
                 results[w] = None
                 continue
             rows = build_rows(w, targets, default_mode, head, loaded.meta.version, tree)
             results[w] = run_set(w, prompts, rows, encoder.encode, exact_mode, args.max_new)
-    eng, rep, agent = (results.get(w) for w in WORKLOADS)
+    eng, rep, agent, sessions = (results.get(w) for w in WORKLOADS)
     spec = [r for t in results.values() if t for n, r in t["rows"].items()
             if n in ("chain", "tree", DEFAULT_ROW, f"{DEFAULT_ROW}-fixed")]
     figures = {
@@ -267,6 +299,9 @@ def main() -> None:
         "repetitive_speedup_vs_prompt_lookup": _ratio(rep, DEFAULT_ROW, "hf-prompt-lookup"),
         "agent_speedup_vs_plain": agent and agent["rows"][DEFAULT_ROW]["speedup_vs_plain"],
         "agent_speedup_vs_prompt_lookup": _ratio(agent, DEFAULT_ROW, "hf-prompt-lookup"),
+        "sessions_speedup_vs_plain": sessions and sessions["rows"][DEFAULT_ROW]["speedup_vs_plain"],
+        "sessions_speedup_vs_prompt_lookup": _ratio(sessions, DEFAULT_ROW, "hf-prompt-lookup"),
+        "sessions_context_tokens": sessions and sessions.get("context_tokens"),
         "head_install_ms": install_ms, "head_install_measures": install_how,
         "compute": target.compute, "lossless": target.lossless, "compute_choice": target.compute_choice.reason,
         "forward_ms": target.compute_choice.table and {

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError, demo_stack_config, phase_plan
 from adaptive_eagle_cli.demo.control import ControlSample, StepCounts
 from adaptive_eagle_cli.demo.report import adapt_line, latency_line, summary, table, time_to_adapt
-from adaptive_eagle_cli.demo.traffic import Prompt, RequestResult, jsonl_pools
+from adaptive_eagle_cli.demo.traffic import SESSIONS, Prompt, RequestResult, SessionTurns, jsonl_pools, session_pool
 from policies.log import PromotionEvent
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +57,40 @@ def test_the_stack_config_turns_the_loop_within_minutes(tmp_path):
     held = demo_stack_config(DemoConfig.make(evidence="heldout"), str(tmp_path))
     assert held.nearline_config().min_candidate_heldout == held.policy.gates().min_samples  # no wasted candidates
     assert cfg.nearline_config().min_candidate_heldout == 1  # --quick: a candidate reaches the gates regardless
+
+
+def test_the_long_scenario_drifts_from_english_chat_to_long_sessions(tmp_path):
+    assert DemoConfig.make(scenario="long").scenario == ("english", SESSIONS)
+    with pytest.raises(DemoConfigError, match="named scenario: long"):
+        DemoConfig.make(scenario="long,code")  # `long` names a whole scenario, not a domain
+    stack = demo_stack_config(DemoConfig.make(scenario="long"), str(tmp_path))
+    # the served contexts fit, and the trainer trains them at full length (a capped trainer loses on long ones)
+    assert 7000 <= stack.serving.max_prompt_tokens < 8192 - 256
+    assert stack.nearline_config().max_len >= stack.serving.max_prompt_tokens + stack.serving.max_tokens_limit
+
+
+@pytest.mark.slow  # reads the real ShareGPT file
+def test_a_session_is_sent_turn_by_turn_with_the_models_own_answers():
+    pool = session_pool(2, seed=0)
+    assert 1 <= len(pool) <= 2 and all(p.domain == SESSIONS and p.session.turns for p in pool)
+    place = SessionTurns.start(pool[0])
+    sent = []
+    while not place.done():
+        prompt = place.prompt()
+        sent.append(prompt)
+        answer = RequestResult(index=len(sent), client=0, domain=SESSIONS, phase=0, started_s=0.0, finished_s=1.0,
+                               prompt=prompt, ok=True, text=f"answer {len(sent)}", completion_tokens=3)
+        place = place.after(prompt, answer)
+    session = pool[0].session
+    assert len(sent) == len(session.turns) and sent[0].messages[0] == {"role": "system", "content": session.system}
+    for k, prompt in enumerate(sent[1:], start=1):  # each request: the previous one, its answer, the new turn
+        assert prompt.messages[:len(sent[k - 1].messages)] == sent[k - 1].messages
+        assert prompt.messages[len(sent[k - 1].messages)] == {"role": "assistant", "content": f"answer {k}"}
+        assert prompt.messages[len(sent[k - 1].messages) + 1:] == tuple(session.turns[k])
+    assert sum(len(m["content"]) for m in sent[-1].messages) > 8000  # a long context
+    failed = RequestResult(index=0, client=0, domain=SESSIONS, phase=0, started_s=0.0, finished_s=1.0,
+                           prompt=sent[0], ok=False, error="boom")
+    assert SessionTurns.start(pool[0]).after(sent[0], failed) is None  # the session ends; the client starts anew
 
 
 def test_user_prompts_keep_their_domains_and_bad_lines_are_named(tmp_path):

@@ -22,7 +22,12 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCENARIO_DOMAINS = ("english", "code", "math", "agent")
+SCENARIO_DOMAINS = ("english", "code", "math", "agent", "sessions")
+# named scenarios: `--scenario long` = short English chat drifting to long multi-turn agent sessions
+SCENARIOS = {"long": ("english", "sessions")}
+SESSION_CHARS = 16000  # characters of context a demo session grows to (about 4-5k tokens): bench/sessions.py
+# the demo's serving.max_prompt_tokens: a session's last turns fit, within SmolLM2's 8,192 with room for the answer
+MAX_PROMPT_TOKENS = 7680
 MODEL_NAME = "adaptive-eagle"
 # the serving tree (trainer.replay.TreeParams defaults) without model-free drafts or pruning: replay is exact
 ENGINE = {"depth": 5, "topk": 4, "num_draft_tokens": 16, "cost_aware": False, "prompt_lookup": False,
@@ -40,7 +45,8 @@ class DemoConfig(BaseModel):
                            "report included; in [1, 720]")
     out: str = Field("demo-report", min_length=1, description="report directory (created; files overwritten)")
     scenario: tuple[str, ...] = Field(("english", "code"), min_length=1, max_length=8, description=(
-        "domains in the order the traffic drifts through them, from english, code, math, agent"))
+        "domains in the order the traffic drifts through them, from english, code, math, agent, sessions (long "
+        "multi-turn agent sessions); or `long` (= english,sessions)"))
     prompts: Optional[str] = Field(None, description="a JSONL file of your own prompts ({prompt | messages, "
                                    "domain?} a line) instead of ShareGPT")
     clients: int = Field(2, ge=1, le=16, description="concurrent openai clients; in [1, 16]")
@@ -70,6 +76,8 @@ class DemoConfig(BaseModel):
     def _split(cls, value):
         if isinstance(value, str):
             value = tuple(p.strip() for p in value.split(",") if p.strip())
+        if isinstance(value, (tuple, list)) and len(value) == 1 and value[0] in SCENARIOS:
+            value = SCENARIOS[value[0]]
         return value
 
     @field_validator("scenario")
@@ -77,7 +85,8 @@ class DemoConfig(BaseModel):
     def _known(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         bad = [d for d in value if d not in SCENARIO_DOMAINS]
         if bad:
-            raise ValueError(f"unknown domain(s) {', '.join(bad)} (allowed: {', '.join(SCENARIO_DOMAINS)})")
+            raise ValueError(f"unknown domain(s) {', '.join(bad)} (allowed: {', '.join(SCENARIO_DOMAINS)}, or one "
+                             f"named scenario: {', '.join(SCENARIOS)})")
         if len(set(value)) != len(value):
             raise ValueError("a domain appears twice (each phase is one domain)")
         return value
@@ -160,7 +169,10 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
         "evidence": cfg.evidence, "heldout_percent": 50 if quick else 25, "heldout_per_domain": 48,
         "candidate_every_tokens": 1024 if quick else 60_000,
         "candidate_every_minutes": 0.3 if quick else 1.0 if cfg.evidence == "prequential" else 2.5,
-        "min_candidate_tokens": 512 if quick else 8192, "max_len": 768,
+        "min_candidate_tokens": 512 if quick else 8192,
+        # every record trains at full length (chunked TTT keeps memory linear): a trainer capped below the
+        # served contexts makes long positions worse (docs/results/long-sessions-2026-12-02)
+        "max_len": MAX_PROMPT_TOKENS + max(cfg.max_tokens, 256),
         # the replica and the trainer each run one thread: with two or more cores each has its own and the
         # trainer never needs to pause; on one core it pauses while a request waits for the replica
         "yield_queue_depth": 0 if (os.cpu_count() or 1) >= 2 else 1,
@@ -186,7 +198,7 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
         "ray": {"num_cpus": max(2, os.cpu_count() or 2), "dashboard": False, "replica_num_cpus": 0},
         "registry": {"seed_head": str(SHIPPED_HEAD)},
         "serving": {"model_name": MODEL_NAME, "port": cfg.port, "queue_size": 16 + cfg.clients,
-                    "max_prompt_tokens": 1536, "max_tokens_limit": max(cfg.max_tokens, 256),
+                    "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_tokens_limit": max(cfg.max_tokens, 256),
                     "default_max_tokens": cfg.max_tokens, "request_timeout_s": 900,
                     "capture": {"fraction": 1.0, "budget_bytes_per_s": 256 << 20, "seed": cfg.seed},
                     "engine": ENGINE},
@@ -196,5 +208,6 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
     }, "demo stack")
 
 
-__all__ = ["DemoConfig", "DemoConfigError", "ENGINE", "MODEL_NAME", "Phase", "SCENARIO_DOMAINS", "demo_stack_config",
+__all__ = ["DemoConfig", "DemoConfigError", "ENGINE", "MAX_PROMPT_TOKENS", "MODEL_NAME", "Phase", "SCENARIOS",
+           "SCENARIO_DOMAINS", "SESSION_CHARS", "demo_stack_config",
            "phase_plan"]

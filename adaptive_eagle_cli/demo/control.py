@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from adaptive_eagle_cli.demo.config import MAX_PROMPT_TOKENS
 from adaptive_eagle_cli.demo.traffic import RequestResult
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class GreedyCheck:
     first_difference: Optional[int]  # character index, None when equal
 
 
-def decode_server(target, head, engine_params: dict, max_prompt_tokens: int = 1536):
+def decode_server(target, head, engine_params: dict, max_prompt_tokens: int = MAX_PROMPT_TOKENS):
     """A DecodeServer like a replica's (no capture, no store) over `head` (a LoadedHead or None: plain)."""
     from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
     from serving.backend import ReferenceBackend

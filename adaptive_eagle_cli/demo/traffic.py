@@ -1,9 +1,15 @@
 """The demo's traffic: real prompts whose mix drifts by phases, sent by concurrent `openai` clients.
 
 Owns: the prompt pools (ShareGPT first user turns of the training split, per domain; the agent-style
-workload of bench/workloads.py; or a user's JSONL file), the clients (greedy requests through the
-OpenAI endpoint, each request's domain in `metadata`), and `RequestResult`, one per request, failures
-included (an exception, a non-200 answer, an empty completion). Must not touch: the stack, the report.
+workload of bench/workloads.py; long multi-turn sessions of bench/sessions.py; or a user's JSONL file),
+the clients (greedy requests through the OpenAI endpoint, each request's domain in `metadata`), and
+`RequestResult`, one per request, failures included (an exception, a non-200 answer, an empty
+completion). Must not touch: the stack, the report.
+
+Sessions (domain `sessions`) are sent as agents send them: a client works through one session at a time,
+turn after turn; each request carries the system message, every earlier turn and the model's own answers
+as they came back, then the new turn, so contexts grow to thousands of tokens. A failed turn ends the
+session (the next turn would need its answer); the client starts the next session.
 
 The held-out split of ShareGPT is never sent: it is what offline evaluations score heads on.
 """
@@ -12,21 +18,24 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from adaptive_eagle_cli.demo.config import Phase
+from adaptive_eagle_cli.demo.config import SESSION_CHARS, Phase
 
 SHAREGPT_DOMAINS = ("english", "code", "math")
+SESSIONS = "sessions"  # the domain of long multi-turn agent sessions
 
 
 @dataclass(frozen=True)
 class Prompt:
-    messages: tuple  # ({"role", "content"}, ...)
+    messages: tuple  # ({"role", "content"}, ...); a session's pool entry: ()
     domain: str
+    session: object = None  # domain `sessions`: the bench/sessions.py Session whose turns the client sends
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,11 @@ def sharegpt_pools(domains: Sequence[str], per_domain: int, max_chars: int, seed
             break
     pools = {d: [Prompt(({"role": "user", "content": t},), d) for t in texts[d]] for d in domains if d in texts}
     if "agent" in domains:
-        workloads = bench_workloads()
+        workloads = bench_module("workloads")
         n = min(per_domain, len(agent_convs) // 3)
         pools["agent"] = [Prompt(tuple(m), "agent") for m in workloads.agent_prompts(agent_convs, n, seed=seed)]
+    if SESSIONS in domains:
+        pools[SESSIONS] = session_pool(max(2, per_domain // 10), seed=seed)
     rng = random.Random(seed)
     for d, pool in pools.items():
         if not pool:
@@ -82,14 +93,30 @@ def sharegpt_pools(domains: Sequence[str], per_domain: int, max_chars: int, seed
     return pools
 
 
-def bench_workloads():
-    """bench/workloads.py (the agent-style workload) loaded from the source tree: bench/ is not an installed
-    package. A clear error where the tree does not have it."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "workloads.py"
+def session_pool(n: int, seed: int) -> list[Prompt]:
+    """Up to `n` long sessions (chat and tool kinds alternating, bench/sessions.py) from ShareGPT's training
+    split, each growing to about SESSION_CHARS characters of context; fewer where the split runs out."""
+    from trainer.data import load_sharegpt, select
+
+    build = bench_module("sessions").build_sessions
+    convs = list(select(load_sharegpt(), split="train"))
+    for k in sorted({n, min(n, 16), min(n, 4), 1}, reverse=True):  # as many as the split holds text for
+        try:
+            return [Prompt((), SESSIONS, session=s) for s in build(convs, k, min_chars=SESSION_CHARS, seed=seed)]
+        except ValueError:
+            continue
+    raise ValueError("ShareGPT's training split holds no text for a long session")
+
+
+def bench_module(name: str):
+    """bench/<name>.py (the agent-style workload, the long sessions) loaded from the source tree: bench/ is not
+    an installed package. A clear error where the tree does not have it."""
+    path = Path(__file__).resolve().parents[2] / "bench" / f"{name}.py"
     if not path.is_file():
-        raise ValueError(f"the agent scenario needs {path} (the source tree's bench/workloads.py)")
-    spec = importlib.util.spec_from_file_location("adaptive_eagle_bench_workloads", path)
+        raise ValueError(f"this scenario needs {path} (the source tree's bench/{name}.py)")
+    spec = importlib.util.spec_from_file_location(f"adaptive_eagle_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
     spec.loader.exec_module(module)
     return module
 
@@ -140,6 +167,32 @@ class PromptCycle:
             return prompt
 
 
+@dataclass(frozen=True)
+class SessionTurns:
+    """One client's place in a long session: the turn to send next and the history before it (the system
+    message, every earlier turn and the answers the served model gave)."""
+
+    session: object  # bench/sessions.py Session
+    turn: int
+    history: tuple  # ({"role", "content"}, ...)
+
+    @classmethod
+    def start(cls, entry: Prompt) -> "SessionTurns":
+        return cls(entry.session, 0, ({"role": "system", "content": entry.session.system},))
+
+    def done(self) -> bool:
+        return self.turn >= len(self.session.turns)
+
+    def prompt(self) -> Prompt:
+        return Prompt(self.history + tuple(self.session.turns[self.turn]), SESSIONS, session=self.session)
+
+    def after(self, sent: Prompt, answer: "RequestResult") -> Optional["SessionTurns"]:
+        """The next turn's place, the answer appended; None when the answer failed (the session ends)."""
+        if not answer.ok:
+            return None
+        return SessionTurns(self.session, self.turn + 1, sent.messages + ({"role": "assistant", "content": answer.text},))
+
+
 # ---- clients -------------------------------------------------------------------------------------
 @dataclass
 class Traffic:
@@ -180,6 +233,7 @@ class Traffic:
         import openai
 
         client = openai.OpenAI(base_url=self.endpoint, api_key=self.api_key, max_retries=0, timeout=900)
+        place: Optional[SessionTurns] = None  # this client's long session, turn by turn
         while not self.stop.is_set():
             started = self.elapsed()
             phase = self.phase_at(started)
@@ -187,8 +241,17 @@ class Traffic:
                 return
             with self._lock:
                 index, self._count = self._count, self._count + 1
-            prompt = self.prompts.take(self.phases[phase].domain)
-            self.on_result(self._send(client, client_id, index, phase, started, prompt))
+            domain = self.phases[phase].domain
+            if domain == SESSIONS:
+                if place is None or place.done():
+                    place = SessionTurns.start(self.prompts.take(SESSIONS))
+                prompt = place.prompt()
+            else:
+                prompt = self.prompts.take(domain)
+            result = self._send(client, client_id, index, phase, started, prompt)
+            if domain == SESSIONS:
+                place = place.after(prompt, result)
+            self.on_result(result)
             if self.think_s:
                 self.stop.wait(self.think_s)
 
@@ -213,4 +276,5 @@ class Traffic:
                              by_context=tuple((str(b), int(n), int(a)) for b, n, a in spec.get("by_context") or ()))
 
 
-__all__ = ["Prompt", "PromptCycle", "RequestResult", "Traffic", "bench_workloads", "jsonl_pools", "sharegpt_pools"]
+__all__ = ["Prompt", "PromptCycle", "RequestResult", "SESSIONS", "SessionTurns", "Traffic", "bench_module", "jsonl_pools",
+           "session_pool", "sharegpt_pools"]
