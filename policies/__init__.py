@@ -4,7 +4,8 @@ promotion log. Never imports torch, the trainer or the servers' internals: it ta
 through `swap_head(version)` and reads samples.
 
 Modules: samples (RequestSample, the hand-off), config (PolicyConfig), gates (pure decisions),
-fleet (the Fleet protocol, LocalFleet), controller (PolicyController and the on-call operations),
-log (promotions.jsonl), render (the on-call table), actor (the thin async/Ray shell), cli (the
+fleet (the Fleet protocol), canary (the canary's record, its per-request decision and the live-sample
+sink; serving calls it), controller (PolicyController and the on-call operations), log
+(promotions.jsonl), render (the on-call table), actor (the thin async/Ray shell), cli (the
 `promotions`, `rollback`, `pin`, `unpin` commands). Nothing is imported here: `import policies` is free.
 """

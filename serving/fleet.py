@@ -1,8 +1,11 @@
 """GatewayFleet: the gateway's replicas as the policy sees them (the `Fleet` of policies/fleet.py).
 
 Owns: swapping every replica (all or nothing: replicas that took a version another one refused are
-swapped back; SGLang replicas one at a time, each drained and rejoining when it serves again), the canary, and the live per-head samples of finished requests (`RequestSample`) the gates read.
-Must not touch: decisions (policies/ decides what to promote), HTTP, decoding.
+swapped back; SGLang replicas one at a time, each drained and rejoining when it serves again), carrying
+out the policy's canary on the replicas, and `live_sample`, which turns a finished request's metrics into
+the `RequestSample` the gates read. The canary's record (`Canary`) and the sink of live samples
+(`LiveSamples`) are the policy's (policies/canary.py); this module calls them. Must not touch: decisions
+(policies/ decides what to promote), HTTP, decoding.
 
 Two kinds of canary. With 2 or more replicas, some replicas swap to the candidate and the router
 sends them `fraction` of the requests (the rest keep a replica on the champion). With one replica
@@ -19,37 +22,23 @@ itself).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Optional
 
 from adaptive_eagle.binding import SwapResult
+from policies.canary import Canary, LiveSamples
 from policies.samples import RequestSample
 from serving.messages import SpecMetrics
-from serving.router import Canary, Router, Slot
+from serving.router import Router, Slot
 
 
-class LiveSamples:
-    """Finished requests per head version, newest last, bounded per version. Thread-safe."""
-
-    def __init__(self, max_per_version: int = 20_000) -> None:
-        self.max = max_per_version
-        self._by_version: dict[str, deque[RequestSample]] = {}
-        self._lock = threading.Lock()
-
-    def add(self, spec: SpecMetrics, request_id: str, tokens: int, finished_at: Optional[float] = None) -> None:
-        sample = RequestSample(accept_length=max(1.0, spec.accept_length), head_version=spec.head_version,
-                               domain=spec.domain, request_id=request_id, tpot_s=spec.tpot_s,
-                               finished_at=time.time() if finished_at is None else finished_at, tokens=tokens,
-                               context=spec.context_position)
-        with self._lock:
-            self._by_version.setdefault(sample.head_version, deque(maxlen=self.max)).append(sample)
-
-    def get(self, version: str, since: float = 0.0) -> list[RequestSample]:
-        with self._lock:
-            return [s for s in self._by_version.get(version, ()) if s.finished_at >= since]
+def live_sample(spec: SpecMetrics, request_id: str, tokens: int, finished_at: Optional[float] = None) -> RequestSample:
+    """A finished request as the policy's gates read it (finished now unless `finished_at` is given)."""
+    return RequestSample(accept_length=max(1.0, spec.accept_length), head_version=spec.head_version,
+                         domain=spec.domain, request_id=request_id, tpot_s=spec.tpot_s,
+                         finished_at=time.time() if finished_at is None else finished_at, tokens=tokens,
+                         context=spec.context_position)
 
 
 class GatewayFleet:

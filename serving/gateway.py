@@ -3,8 +3,8 @@
 Owns: the endpoints (`/v1/chat/completions`, `/v1/completions` with SSE streaming, `/v1/models`,
 `/health`, `/metrics`, `/admin/status|swap|canary`), API-key and admin-token checks, mapping
 replica events to OpenAI responses, recording each finished request into the metrics and the live
-samples the policy reads. Must not touch: decoding (replicas), routing rules (router.py), swap
-rules (fleet.py), Ray (the caller hands in replicas).
+samples the policy reads (its sink, policies.canary.LiveSamples). Must not touch: decoding (replicas),
+routing rules (router.py), swap rules (fleet.py), Ray (the caller hands in replicas).
 
 Every response carries the request's speculative metrics in the extra top-level field
 `adaptive_eagle` (also in the final SSE chunk); see openai_api.py for the fields and the request
@@ -40,9 +40,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from starlette.exceptions import HTTPException
 
+from policies.canary import LiveSamples
 from serving import openai_api as api
 from serving.config import ServingConfig
-from serving.fleet import GatewayFleet, LiveSamples
+from serving.fleet import GatewayFleet, live_sample
 from serving.messages import Delta, Event, Finished, Refused, ServerStatus
 from serving.metrics import GatewayMetrics
 from serving.router import LocalReplica, NoReplica, QueueFull, Replica, Router
@@ -178,7 +179,7 @@ class Gateway:
         self.metrics.requests.labels(endpoint, str(status)).inc()
         if finished is not None:
             self.metrics.observe(finished.spec, finished.completion_tokens)
-            self.samples.add(finished.spec, finished.request_id, finished.completion_tokens)
+            self.samples.add(live_sample(finished.spec, finished.request_id, finished.completion_tokens))
 
     async def complete(self, request: Request, chat: bool) -> Response:
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
@@ -289,7 +290,7 @@ class Gateway:
         canary = self.router.canary
         return {"replicas": [s.to_json() for s in await self.statuses()],
                 "serving_versions": self.router.serving_versions(), "champion": self.fleet.champion,
-                "canary": None if canary is None else {"version": canary.version, "fraction": canary.fraction},
+                "canary": None if canary is None else canary.to_json(),
                 "queue": {"waiting": self.router.waiting, "busy": self.router.busy, "size": self.config.queue_size}}
 
     async def admin_swap(self, request: Request) -> JSONResponse:

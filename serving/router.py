@@ -5,8 +5,10 @@ Owns: the async `Replica` interface over an in-process `DecodeServer` (`LocalRep
 queue with back-pressure (`QueueFull` -> 429), the head each replica serves, and canary routing (a
 fraction of requests to the replicas serving the candidate, or a per-request head override), and a
 lease that avoids one replica (the gateway's one retry of a request whose replica failed before it
-produced anything). Must not touch: HTTP (gateway.py), decoding (server.py), swap policy (fleet.py
-decides what to swap).
+produced anything). The canary is the policy's (`policies.canary.Canary`: the record, and the rule that
+a request's number below the share goes to the candidate); the router draws that number at random per
+request. Must not touch: HTTP (gateway.py), decoding (server.py), swap policy (fleet.py decides what to
+swap).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import AsyncIterator, Optional, Protocol
 
 from adaptive_eagle.binding import SwapResult
 from adaptive_eagle.versions import version_label
+from policies.canary import Canary
 from serving.messages import DecodeRequest, Event, ServerStatus
 from serving.server import DecodeServer
 
@@ -90,12 +93,6 @@ class Slot:
     busy: bool = False
 
 
-@dataclass(frozen=True)
-class Canary:
-    version: str
-    fraction: float  # share of requests routed to the replicas serving `version`
-
-
 class Router:
     def __init__(self, replicas: list[Replica], versions: list[str], queue_size: int, wait_timeout_s: float,
                  rng: Optional[random.Random] = None) -> None:
@@ -103,7 +100,7 @@ class Router:
             raise ValueError("one version per replica, and at least one replica")
         self.slots = [Slot(r, v) for r, v in zip(replicas, versions)]
         self.queue_size, self.wait_timeout_s = queue_size, wait_timeout_s
-        self.canary: Optional[Canary] = None
+        self.canary: Optional[Canary] = None  # the policy's canary, routed to the replicas serving it
         self.waiting = 0
         self._rng = rng or random.Random()
         self._cond = asyncio.Condition()
@@ -133,7 +130,8 @@ class Router:
             return lambda s: s.version == head
         # the canary draw is fixed per request, but eligibility is re-read against the live canary each
         # time a waiting request wakes: a promotion or an ended canary while it waits must not strand it
-        to_canary = self._rng.random() < (canary.fraction if canary is not None else 0.0)
+        draw = self._rng.random()  # drawn with or without a canary (a seeded router's draws stay in step)
+        to_canary = canary is not None and canary.takes_draw(draw)
 
         def eligible(s: Slot) -> bool:
             live = self.canary

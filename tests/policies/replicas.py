@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaptive_eagle.versions import PLAIN
-from policies.fleet import LocalFleet
 from policies.samples import RequestSample
+from tests.policies.fleets import LocalFleet
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import asyncio
 import shutil
 
 from policies.actor import PolicyActor, policy_actor
-from policies.fleet import LocalFleet
 from policies.gates import PROMOTE
+from tests.policies.fleets import LocalFleet
 from tests.policies.replicas import RecordingReplica
 from tests.policies.helpers import replay
 

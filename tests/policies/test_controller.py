@@ -15,9 +15,10 @@ import pytest
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.versions import PLAIN
 from policies.controller import PolicyController, rollback_champion
-from policies.fleet import Canary, LocalFleet
+from policies.canary import Canary
 from policies.gates import CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK
 from policies.log import PromotionLog
+from tests.policies.fleets import LocalFleet
 from tests.policies.helpers import replay, small_config
 from tests.policies.replicas import FakeClock, RecordingReplica, Traffic
 
@@ -302,8 +303,8 @@ def test_status(world):
 
 # ---- layering ------------------------------------------------------------------------------------
 def test_policies_never_import_torch_or_the_trainer():
-    code = ("import sys; import policies.controller, policies.gates, policies.fleet, policies.log, "
-            "policies.render, policies.config, policies.actor, policies.cli; "
+    code = ("import sys; import policies.controller, policies.gates, policies.fleet, policies.canary, "
+            "policies.log, policies.render, policies.config, policies.actor, policies.cli; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'trainer', 'serving', 'ray')); "
             "print(bad); sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,13 +1,15 @@
-"""policies.fleet: LocalFleet swaps every replica, reports confirmed versions, routes a stable canary
-fraction, and returns live samples by version and time; the Fleet protocol is what it implements."""
+"""policies.fleet: the Fleet protocol, as the tests' LocalFleet (tests/policies/fleets.py) implements it
+over policies.canary: it swaps every replica, reports confirmed versions, routes a stable canary fraction,
+and returns live samples by version and time."""
 
 from __future__ import annotations
 
 import pytest
 
 from adaptive_eagle.versions import PLAIN
-from policies.fleet import Fleet, LocalFleet, SwapOutcome
+from policies.fleet import Fleet, SwapOutcome
 from policies.samples import RequestSample
+from tests.policies.fleets import LocalFleet
 from tests.policies.replicas import Outcome, RecordingReplica
 
 

@@ -1,12 +1,14 @@
 """The canary on ONE replica (a 2-core machine runs one): the replica decodes a stable share of
-requests with the candidate prepared next to its champion; responses, traces and the live samples
-report the head each request used. Also the context check, which now lives in the engine."""
+requests with the candidate prepared next to its champion, the very requests the policy's canary takes
+(policies.canary: the request id's hash); responses, traces and the live samples report the head each
+request used. Also the context check, which now lives in the engine."""
 
 
 import openai
 import pytest
 
-from serving.backend import RequestError, unit_hash
+from policies.canary import Canary
+from serving.backend import RequestError
 from serving.config import ServingConfig
 from serving.gateway import GatewayThread, create_app
 from serving.messages import DecodeRequest, Finished
@@ -29,7 +31,7 @@ def test_a_replica_canary_decodes_its_share_with_the_candidate_losslessly(stack)
         out = {rid: server.generate(request(rid)) for rid in ids}
         assert all(isinstance(f, Finished) and f.text == want for f in out.values())  # lossless on either head
         assert {rid: f.spec.head_version for rid, f in out.items()} == {
-            rid: "v2" if unit_hash(rid) < 0.5 else "v1" for rid in ids}
+            rid: "v2" if Canary("v2", 0.5).takes(rid) else "v1" for rid in ids}  # the policy's decision
         assert server.generate(request("req-0")).spec.head_version == out["req-0"].spec.head_version  # stable
         assert server.generate(request("x", head="v2")).spec.head_version == "v2"  # asked for the candidate
         assert server.head_version == "v1"  # the champion stays installed

@@ -6,9 +6,10 @@ routed as, or, if it refuses, routes it as what it serves."""
 import asyncio
 
 from adaptive_eagle.binding import SwapResult
-from serving.fleet import GatewayFleet, LiveSamples
+from policies.canary import Canary, LiveSamples
+from serving.fleet import GatewayFleet
 from serving.messages import ServerStatus
-from serving.router import Canary, Router
+from serving.router import Router
 
 
 class Replica:

@@ -3,7 +3,8 @@ for "not the canary" is served once the canary is promoted to every replica, ins
 
 import asyncio
 
-from serving.router import Canary, Router
+from policies.canary import Canary
+from serving.router import Router
 
 
 class _Replica:
