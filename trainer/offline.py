@@ -1,8 +1,9 @@
 """Offline head trainer (`adaptive-eagle train-head`) and held-out evaluation (`eval-head`).
 
 Owns: the offline loop over tokenised conversations (length-bucketed batches, target features
-computed once per batch and reused by all TTT steps), its progress bar, resumable run state
-(safetensors + JSON, atomic), periodic held-out acceptance, and the final head export. The update
+computed once per batch and reused by all TTT steps) on the target's device, its progress bar, resumable
+run state (safetensors + JSON, atomic), periodic held-out acceptance, and the choice of schedule for its
+budget (trainer.budget: tokens, seconds or steps; evaluation and checkpoints by steps or seconds). The update
 itself (AdamW, warmup + cosine, TTT loss under autocast, clipping) is ``trainer.step.train_step``,
 the one step every loop calls: in this process (`InProcessStep`), or with `sequence_parallel: N` on a
 Ray Train worker group that splits every batch's rows by position (`SequenceParallelStep`, through
@@ -14,7 +15,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal, Sequence
@@ -25,10 +25,12 @@ from pydantic import BaseModel, Field, model_validator
 from adaptive_eagle.atomic import staging_dir
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.targets import Target, load_target
+from trainer.budget import Budget, Cadence, Every, RunClock
 from trainer.data import TokenizedExample
 from trainer.positions import PositionTally
 from trainer.state import read_state, restore_optimizer, write_state
-from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
+from trainer.step import (Schedule, StepConfig, StepStats, WallClockCosine, WarmupCosine, adamw,
+                          train_step)
 from trainer.traffic import TrafficRow
 from trainer.ttt import TTTBatch, acceptance_summary, ttt_loss
 
@@ -96,12 +98,15 @@ def moe_refusal(sequence_parallel: int, num_experts: int) -> str:
 
 @dataclass
 class RunState:
-    step: int = 0
-    tokens: int = 0
+    """Where a run stands (saved with its run state; a resumed run counts on from it)."""
+
+    step: int = 0  # optimizer steps taken
+    tokens: int = 0  # training tokens seen
     epoch: int = 0
-    cursor: int = 0
-    elapsed_s: float = 0.0
-    history: list | None = None
+    cursor: int = 0  # position in this epoch's order: batches before it were consumed
+    elapsed_s: float = 0.0  # wall time spent training, over every call of the loop
+    history: list | None = None  # held-out evaluations along the run (_eval_record)
+    skipped: int = 0  # updates skipped for a non-finite gradient norm
 
 
 # ---- batching ----------------------------------------------------------------------------------
@@ -218,11 +223,20 @@ def shuffled(n: int, seed: int, epoch: int) -> list[int]:
 
 
 # ---- the loop -------------------------------------------------------------------------------------
-def estimate_total_steps(cfg: TrainHeadConfig, examples) -> int:
+def estimate_total_steps(cfg: TrainHeadConfig, examples, token_budget: int | None = None) -> int:
+    """Steps the loop will take to see `token_budget` tokens (default cfg.token_budget) of `examples`."""
     mean_len = sum(min(len(e.input_ids), cfg.max_len) for e in examples) / max(1, len(examples))
     per_batch = max(1, int(cfg.batch_tokens // max(1.0, mean_len))) * mean_len * 0.85
-    return max(1, int(cfg.token_budget / per_batch))
+    return max(1, int((cfg.token_budget if token_budget is None else token_budget) / per_batch))
 
+
+def loop_schedule(cfg: TrainHeadConfig, budget: Budget, examples: Sequence[TokenizedExample],
+                  seconds_run: Callable[[], float]) -> Schedule:
+    """The recipe's warmup + cosine, decaying over the budget's tokens (estimated steps) or its seconds."""
+    if budget.decay_over == "seconds":
+        return WallClockCosine(lr=cfg.lr, budget_s=budget.seconds, seconds_run=seconds_run,
+                               warmup_steps=cfg.warmup_steps, min_lr_ratio=cfg.min_lr_ratio)
+    return cfg.schedule(estimate_total_steps(cfg, examples, budget.tokens))
 
 
 def _eval_record(state: RunState, summary: dict) -> dict:
@@ -235,11 +249,12 @@ def _eval_record(state: RunState, summary: dict) -> dict:
 class _Progress:
     """The tqdm bar: tokens, loss, recent per-step top-1 agreement (EWMA), lr, grad norm."""
 
-    def __init__(self, cfg: TrainHeadConfig, initial_tokens: int, enabled: bool) -> None:
+    def __init__(self, cfg: TrainHeadConfig, total_tokens: int | None, initial_tokens: int, enabled: bool) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=cfg.token_budget, initial=min(initial_tokens, cfg.token_budget), unit="tok",
-                        unit_scale=True, disable=not enabled, dynamic_ncols=True, desc="train-head")
+        initial = initial_tokens if total_tokens is None else min(initial_tokens, total_tokens)
+        self.bar = tqdm(total=total_tokens, initial=initial, unit="tok", unit_scale=True, disable=not enabled,
+                        dynamic_ncols=True, desc="train-head")
         self.correct, self.count = [0.0] * cfg.ttt_steps, [0.0] * cfg.ttt_steps
 
     def update(self, s: StepStats) -> None:
@@ -259,7 +274,7 @@ class InProcessStep:
     """Each update here: one target forward per batch (make_ttt_batch), then trainer.step.train_step."""
 
     def __init__(self, cfg: TrainHeadConfig, target: Target, head: Eagle3DraftHead, opt: torch.optim.Optimizer,
-                 schedule: WarmupCosine, generator: torch.Generator) -> None:
+                 schedule: Schedule, generator: torch.Generator) -> None:
         self.cfg, self.target, self.head, self.opt = cfg, target, head, opt
         self.schedule, self.step_cfg, self.generator = schedule, cfg.step_config(), generator
 
@@ -307,7 +322,7 @@ class SequenceParallelStep:
     The workers hold the trained head: `sync` pulls its weights and optimizer state into the local ones."""
 
     def __init__(self, cfg: TrainHeadConfig, head: Eagle3DraftHead, opt: torch.optim.Optimizer,
-                 schedule: WarmupCosine, *, storage: Path, device: str,
+                 schedule: Schedule, *, storage: Path, device: str,
                  target_builder: Callable[[], Target], log: Callable[[str], None]) -> None:
         import ray
 
@@ -374,29 +389,30 @@ def train_loop(
     progress: bool = True,
     log: Callable[[str], None] = print,
     target_builder: Callable[[], Target] | None = None,
+    budget: Budget | None = None,
+    cadence: Cadence | None = None,
+    on_checkpoint: Callable[[RunState], None] | None = None,
 ) -> tuple[RunState, dict]:
-    """Train until the token or time budget; checkpoint every cfg.checkpoint_minutes. Returns the
-    final state and the last held-out evaluation. Each update is trainer.step.train_step, in this process
-    or (cfg.sequence_parallel > 1) on a Ray Train worker group, started here (with a local Ray when none is
-    running) and closed at the end. target_builder: how a worker loads its copy of `target` (a picklable
-    callable; default: worker_target, by cfg.target)."""
+    """Train `head` on the device of `target` (where the head must already be) until the budget (default
+    Budget.of(cfg): the token or time budget); evaluate and checkpoint the run state at the cadence (default
+    Cadence.of(cfg)), calling `on_checkpoint(state)` after each periodic checkpoint (the head is then the
+    trained one). Returns the final state and the last held-out evaluation (made after the loop; its run state
+    is saved last). Each update is trainer.step.train_step, in this process or (cfg.sequence_parallel > 1) on a
+    Ray Train worker group, started here (with a local Ray when none is running) and closed at the end.
+    target_builder: how a worker loads its copy of `target` (a picklable callable; default: worker_target)."""
+    if not train_examples:
+        raise ValueError("train_loop: no training examples")
     run_dir.mkdir(parents=True, exist_ok=True)
     state = state or RunState(history=[])
     state.history = state.history or []
     extra = extra or {}
-    opt = adamw(head, cfg.lr, cfg.weight_decay)
-    if opt_tensors is not None:
-        restore_optimizer(opt, opt_tensors, opt_meta)
-    schedule = cfg.schedule(estimate_total_steps(cfg, train_examples))
+    clock = RunClock(state)
+    budget = budget or Budget.of(cfg)
+    opt = _optimizer(cfg, head, opt_tensors, opt_meta)
+    schedule = loop_schedule(cfg, budget, train_examples, clock.seconds)
     eval_cache = exact_batches(target, head, eval_examples, cfg.max_len, cfg.batch_tokens)
     head.train()
-    if cfg.sequence_parallel > 1:
-        step = SequenceParallelStep(cfg, head, opt, schedule, storage=run_dir / "ray-train",
-                                    device=target.device.type, target_builder=target_builder
-                                    or worker_target(cfg, target), log=log)
-    else:
-        step = InProcessStep(cfg, target, head, opt, schedule,
-                             torch.Generator().manual_seed(cfg.seed * 7919 + state.step))
+    step = _open_step(cfg, run_dir, target, head, opt, schedule, state, target_builder, log)
 
     def held_out() -> dict:
         step.sync()
@@ -407,7 +423,8 @@ def train_loop(
         save_run_state(run_dir, head, opt, state, cfg, extra)
 
     try:
-        _run_steps(cfg, step, train_examples, state, held_out, checkpoint, progress, log)
+        _Loop(cfg, state, clock, budget, cadence or Cadence.of(cfg), step, held_out, checkpoint, on_checkpoint,
+              log).run(train_examples, progress)
         last_eval = held_out()
         state.history.append(_eval_record(state, last_eval))
         checkpoint()
@@ -416,48 +433,101 @@ def train_loop(
     return state, last_eval
 
 
-def _run_steps(cfg: TrainHeadConfig, step: InProcessStep | SequenceParallelStep,
-               train_examples: Sequence[TokenizedExample], state: RunState, held_out: Callable[[], dict],
-               checkpoint: Callable[[], None], progress: bool, log: Callable[[str], None]) -> None:
-    """The loop's body: batches in epochs until the budget, held-out evaluation every cfg.eval_every steps and
-    a checkpoint every cfg.checkpoint_minutes."""
-    bar = _Progress(cfg, state.tokens, progress)
-    last_ckpt = time.time()
-    t_start, elapsed0, tokens0 = time.time(), state.elapsed_s, state.tokens
+def _optimizer(cfg: TrainHeadConfig, head: Eagle3DraftHead, opt_tensors: dict | None,
+               opt_meta: dict | None) -> torch.optim.Optimizer:
+    """The recipe's AdamW over the head, with a resumed run's optimizer state when there is one."""
+    opt = adamw(head, cfg.lr, cfg.weight_decay)
+    if opt_tensors is not None:
+        restore_optimizer(opt, opt_tensors, opt_meta)
+    return opt
 
-    def done() -> bool:
-        over_time = cfg.time_budget_min and (state.elapsed_s - elapsed0) / 60 >= cfg.time_budget_min
-        return state.tokens >= cfg.token_budget or bool(over_time)
 
-    try:
-        while not done():
-            order = shuffled(len(train_examples), cfg.seed, state.epoch)
-            resume_from = state.cursor  # windows before this were consumed before a resume
-            for cursor, exs in batches(train_examples, order, cfg.batch_tokens, cfg.max_len):
-                if cursor < resume_from:
-                    continue
-                stats = step(exs, state.step)
-                state.step += 1
-                state.tokens += stats.tokens
-                state.cursor = cursor
-                state.elapsed_s = elapsed0 + time.time() - t_start
-                bar.update(stats)
-                if stats.skipped:
-                    log(f"[warn] step {stats.step}: non-finite gradient norm {stats.grad_norm}; update skipped")
-                if state.step % cfg.eval_every == 0:
-                    summary = held_out()
-                    state.history.append(_eval_record(state, summary))
-                    rate = (state.tokens - tokens0) / max(1e-9, state.elapsed_s - elapsed0)
-                    log(f"[eval] step {state.step} tokens {state.tokens} "
-                        f"alpha {' '.join(f'{a:.3f}' for a in summary['alpha'])} "
-                        f"accept_len {summary['accept_length']:.3f} ({rate:.0f} tok/s)")
-                if time.time() - last_ckpt >= cfg.checkpoint_minutes * 60:
-                    checkpoint()
-                    last_ckpt = time.time()
-                if done():
-                    break
-            else:
-                state.epoch += 1
-                state.cursor = 0
-    finally:
-        bar.close()
+def _open_step(cfg: TrainHeadConfig, run_dir: Path, target: Target, head: Eagle3DraftHead,
+               opt: torch.optim.Optimizer, schedule: Schedule, state: RunState,
+               target_builder: Callable[[], Target] | None,
+               log: Callable[[str], None]) -> InProcessStep | SequenceParallelStep:
+    """The step function of this run: in this process, or sequence parallel on cfg.sequence_parallel workers."""
+    if cfg.sequence_parallel > 1:
+        return SequenceParallelStep(cfg, head, opt, schedule, storage=run_dir / "ray-train",
+                                    device=target.device.type,
+                                    target_builder=target_builder or worker_target(cfg, target), log=log)
+    return InProcessStep(cfg, target, head, opt, schedule, torch.Generator().manual_seed(cfg.seed * 7919 + state.step))
+
+
+@dataclass(eq=False)
+class _Loop:
+    """The loop's body: batches in epochs until the budget; after each update, held-out evaluation and a checkpoint
+    when the cadence says so (then `on_checkpoint(state)`)."""
+
+    cfg: TrainHeadConfig
+    state: RunState
+    clock: RunClock
+    budget: Budget
+    cadence: Cadence
+    step: InProcessStep | SequenceParallelStep
+    held_out: Callable[[], dict]
+    checkpoint: Callable[[], None]
+    on_checkpoint: Callable[[RunState], None] | None
+    log: Callable[[str], None]
+
+    def done(self) -> bool:
+        return self.budget.reached(self.state, self.clock.seconds())
+
+    def run(self, examples: Sequence[TokenizedExample], progress: bool) -> None:
+        self.tokens0 = self.state.tokens
+        self.bar = _Progress(self.cfg, self.budget.tokens, self.state.tokens, progress)
+        self.clock.start()
+        self.evals, self.checkpoints = Every(self.cadence.eval_seconds), Every(self.cadence.checkpoint_seconds)
+        try:
+            while not self.done():
+                self._epoch(examples)
+        finally:
+            self.bar.close()
+
+    def _epoch(self, examples: Sequence[TokenizedExample]) -> None:
+        """The rest of this epoch (from a resumed run's cursor) until the budget; a finished epoch moves on."""
+        state = self.state
+        order = shuffled(len(examples), self.cfg.seed, state.epoch)
+        resume_from = state.cursor  # windows before this were consumed before a resume
+        for cursor, exs in batches(examples, order, self.cfg.batch_tokens, self.cfg.max_len):
+            if cursor < resume_from:
+                continue
+            self._update(exs, cursor)
+            if self._eval_due():
+                self._evaluate()
+            if self.checkpoints.due():
+                self._checkpoint()
+            if self.done():
+                return
+        state.epoch += 1
+        state.cursor = 0
+
+    def _update(self, exs: Sequence[TokenizedExample], cursor: int) -> None:
+        stats = self.step(exs, self.state.step)
+        self.state.step += 1
+        self.state.tokens += stats.tokens
+        self.state.cursor = cursor
+        self.state.skipped += int(stats.skipped)
+        self.clock.tick()
+        self.bar.update(stats)
+        if stats.skipped:
+            self.log(f"[warn] step {stats.step}: non-finite gradient norm {stats.grad_norm}; update skipped")
+
+    def _eval_due(self) -> bool:
+        every = self.cadence.eval_steps
+        return bool(every and self.state.step % every == 0) or self.evals.due()
+
+    def _evaluate(self) -> None:
+        state, summary = self.state, self.held_out()
+        state.history.append(_eval_record(state, summary))
+        rate = (state.tokens - self.tokens0) / max(1e-9, self.clock.seconds())
+        self.log(f"[eval] step {state.step} tokens {state.tokens} "
+                 f"alpha {' '.join(f'{a:.3f}' for a in summary['alpha'])} "
+                 f"accept_len {summary['accept_length']:.3f} ({rate:.0f} tok/s)")
+        self.evals.reset()
+
+    def _checkpoint(self) -> None:
+        self.checkpoint()
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.state)
+        self.checkpoints.reset()

@@ -1,9 +1,9 @@
 """One TTT training step, shared by every training loop (offline `train-head`, the near-line trainer).
 
-Owns: the optimizer every loop builds for a head (``adamw``), the learning-rate schedule
-(``WarmupCosine``), what one step needs to know (``StepConfig``), and the step itself
-(``train_step``: schedule → TTT loss under autocast → backward → clip → optimizer step), which
-returns a frozen ``StepStats``. Must not touch: data loading, batching, target forwards, progress
+Owns: the optimizer every loop builds for a head (``adamw``), the learning-rate schedules
+(``WarmupCosine`` over steps, ``WallClockCosine`` over a budget of seconds, one cosine ``cosine_lr``),
+what one step needs to know (``StepConfig``), and the step itself (``train_step``: schedule → TTT
+loss under autocast → backward → clip → optimizer step), which returns a frozen ``StepStats``. Must not touch: data loading, batching, target forwards, progress
 bars, evaluation, checkpoints, devices (the step runs where the head and the batch already are;
 autocast takes its device type from the batch's tensors, never a hard-coded "cpu" or "cuda").
 
@@ -62,7 +62,30 @@ class WarmupCosine:
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
         progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return cosine_lr(self.lr, self.min_lr_ratio, progress)
+
+
+@dataclass(frozen=True)
+class WallClockCosine:
+    """Linear warmup to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` as the run's wall time
+    `seconds_run()` reaches `budget_s` (held there afterwards): for a run bounded by time, whose step count is not
+    known in advance."""
+
+    lr: float
+    budget_s: float
+    seconds_run: Callable[[], float]  # wall time the run has trained so far
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return cosine_lr(self.lr, self.min_lr_ratio, min(1.0, max(0.0, self.seconds_run() / self.budget_s)))
+
+
+def cosine_lr(lr: float, min_lr_ratio: float, progress: float) -> float:
+    """The cosine both schedules share: `lr` at progress 0, `lr * min_lr_ratio` at progress 1."""
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass(frozen=True)
@@ -147,4 +170,5 @@ def train_step(
                      step_correct=tuple(out.step_correct), step_count=tuple(out.step_count), skipped=skipped)
 
 
-__all__ = ["ADAMW_BETAS", "Schedule", "StepConfig", "StepStats", "WarmupCosine", "adamw", "set_lr", "train_step"]
+__all__ = ["ADAMW_BETAS", "Schedule", "StepConfig", "StepStats", "WallClockCosine", "WarmupCosine", "adamw",
+           "cosine_lr", "set_lr", "train_step"]

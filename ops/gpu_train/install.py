@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ops.gpu_train.parts import PartError
-from ops.gpu_train.train_gpu import EVAL_DOMAINS, import_head
+from ops.gpu_train.train_gpu import import_head
+from trainer.train_head import EVAL_DOMAINS
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "heads" / "smollm2-135m-english-v2"

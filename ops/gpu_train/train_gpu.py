@@ -8,28 +8,35 @@ Two steps, each its own subcommand so the first needs the standard library only:
              all are held, reassemble the payload (whole-payload sha256) and unpack it. Exit 0: ready;
              exit 3: parts still missing (the next call carries them).
     train    rebuild the target (the GGUF dequantised here, then the cached safetensors rebuilt byte for
-             byte and checked tensor by tensor), train a head with the train-head recipe (TTT through
-             trainer.step.train_step, bf16 autocast) for --minutes of wall time, from scratch or from
-             --init-head; export the head to $OUT every --checkpoint-minutes (a timeout still returns
-             one) and at the end, with held-out acceptance per domain (trainer.offline.evaluate).
+             byte and checked tensor by tensor) and load it on --device, then train with trainer/ itself:
+             the head from trainer.train_head (fresh_head on the packed data's counts, or head_from
+             --init-head), the loop trainer.offline.train_loop (bf16 resolved for the device, a budget of
+             --minutes of wall time over which the lr decays, held-out English every --eval-minutes, the run
+             state checkpointed every --checkpoint-minutes), held-out acceptance per domain by
+             trainer.train_head.evaluate_domains; export the head to $OUT at every checkpoint (a timeout
+             still returns one) and at the end.
 
-$OUT keeps at most 8 files of at most 16 MiB: the head comes back as $OUT/head/{config.json,
-head.json, export.json, model.safetensors.NN} (export.json lists the pieces and their sha256;
-ops/gpu_train.sh install joins them) plus the log. Must not touch: the network, hard-coded devices.
+Owns only what is specific to the window: receiving the packed payload, rebuilding the target from the
+GGUF, the window's arguments as a train-head recipe, exporting and importing the head through $OUT, and
+the record of the run (head.json training.gpu_run). $OUT keeps at most 8 files of at most 16 MiB: the
+head comes back as $OUT/head/{config.json, head.json, export.json, model.safetensors.NN} (export.json
+lists the pieces and their sha256; ops/gpu_train.sh install joins them) plus the log. Must not touch:
+the network, hard-coded devices, the training recipe's logic (trainer/ holds it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ops.gpu_train.parts import (
     MANIFEST,
@@ -45,10 +52,15 @@ from ops.gpu_train.parts import (
     write_text_atomic,
 )
 
+if TYPE_CHECKING:  # the receive step runs before torch, pydantic or the project's packages are importable
+    from adaptive_eagle.targets import Target
+    from ops.gpu_train.tokens import TokenData
+    from trainer.offline import RunState, TrainHeadConfig
+    from trainer.train_head import HeadStart
+
 WORK = Path("/tmp/gpu_train")
 OUT_PIECE_BYTES = 15 * MiB  # $OUT refuses files over 16 MiB
 EXIT_WAITING = 3
-EVAL_DOMAINS = ("english", "code", "math")
 
 
 # ---- receive (standard library only) --------------------------------------------------------------------
@@ -151,127 +163,23 @@ def write_like(out: Path, header: bytes, tensors: dict, expected: dict) -> dict:
     return {"identical": not differing, "tensors_differing": differing}
 
 
-# ---- training ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TimeCosine:
-    """The recipe's warmup + cosine, with progress measured in wall time (the budget is minutes)."""
-
-    lr: float
-    warmup_steps: int
-    min_lr_ratio: float
-
-    def __call__(self, step: int, frac: float) -> float:
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        p = min(1.0, max(0.0, frac))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p)))
-
-
-def draft_vocab(data, cfg, target, log):
-    """trainer.train_head.choose_vocab on the packed data: masked-token counts of the train split over
-    the recipe's domains and vocab domains, the smallest size reaching vocab_coverage."""
-    from collections import Counter
-
+# ---- training: trainer/ on the window's device ------------------------------------------------------------
+def packed_counts(data: TokenData, cfg: TrainHeadConfig, vocab_size: int) -> Counter:
+    """trainer.train_head.vocab_counts on the packed data: masked-token counts of the train split over the
+    recipe's domains and vocab domains."""
     import numpy as np
 
-    from trainer.warm_start import build_draft_vocab, coverage_curve, size_for_coverage
-
-    vocab_size = target.config.vocab_size
-    idx = data.select("train", sorted(set(cfg.domains) | set(cfg.vocab_domains)))
-    arr = data.masked_counts(idx, cfg.max_len, vocab_size)
-    counts = Counter({int(t): int(arr[t]) for t in np.flatnonzero(arr)})
-    size = cfg.draft_vocab_size or size_for_coverage(counts, cfg.vocab_coverage, cap=vocab_size)
-    eos = target.tokenizer.convert_tokens_to_ids(target.tokenizer.eos_token)
-    vocab = build_draft_vocab(counts, size, vocab_size, always=[eos])
-    curve = coverage_curve(counts, [4096, 8192, 16384, 24576, 32768])
-    log(f"draft vocab {size} covers {vocab.coverage:.3f} of the {cfg.vocab_domains} assistant tokens")
-    return vocab, {"size": int(vocab.target_ids.numel()), "coverage": round(vocab.coverage, 4),
-                   "domains": list(cfg.vocab_domains), "curve": {str(k): round(v, 4) for k, v in curve.items()}}
+    arr = data.masked_counts(data.select("train", sorted(set(cfg.domains) | set(cfg.vocab_domains))), cfg.max_len,
+                             vocab_size)
+    return Counter({int(t): int(arr[t]) for t in np.flatnonzero(arr)})
 
 
-def build_head(args, cfg, target, data, log):
-    """(head on the target's device in float32, parent version, vocab record, warm-start record)."""
-    from adaptive_eagle import checkpoint as C
-    from trainer.warm_start import new_head, warm_start
+def eval_sets(data: TokenData, n: int, max_len: int) -> dict:
+    """What `adaptive-eagle eval-head` scores, from the packed data: the first n held-out conversations of each
+    domain."""
+    from trainer.train_head import EVAL_DOMAINS
 
-    if args.init_head:
-        loaded = C.load_head(args.init_head, target, allow_fingerprint_mismatch=True)
-        head, parent = loaded.head.float(), loaded.meta.version
-        vocab_info, warm = {"size": head.cfg.draft_vocab_size, "from": str(args.init_head)}, None
-    else:
-        vocab, vocab_info = draft_vocab(data, cfg, target, log)
-        head = new_head(target, vocab, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-                        seed=cfg.seed).float()
-        warm, parent = warm_start(head, target, layer=cfg.warm_layer, mode=cfg.warm_start), None
-    head.embed_tokens.weight.requires_grad_(False)
-    return head.to(target.device), parent, vocab_info, warm
-
-
-def eval_sets(data, n: int, max_len: int) -> dict:
-    """What `adaptive-eagle eval-head` scores: the first n held-out conversations of each domain."""
     return {d: data.examples("heldout", [d], max_len, limit=n) for d in EVAL_DOMAINS}
-
-
-def evaluate_domains(head, target, sets: dict, bf16: bool, max_len: int) -> dict:
-    from trainer.offline import evaluate, rounded
-
-    out = {}
-    for d, exs in sets.items():
-        if exs:
-            out[d] = {**rounded(evaluate(head, target, exs, max_len=max_len, bf16=bf16)), "conversations": len(exs)}
-    return out
-
-
-@dataclass
-class Progress:
-    step: int = 0
-    tokens: int = 0
-    epoch: int = 0
-    elapsed_s: float = 0.0
-    skipped: int = 0
-
-
-def train(head, target, cfg, train_examples, eval_english, budget_s: float, on_checkpoint: Callable[[Progress], None],
-          checkpoint_s: float, eval_s: float, log: Callable[[str], None], max_steps: int = 0) -> tuple[Progress, list]:
-    """The offline recipe's updates (trainer.step.train_step on trainer.offline's length-bucketed
-    batches) until `budget_s` of wall time (or `max_steps`, when > 0); `on_checkpoint` every `checkpoint_s`."""
-    import torch
-
-    from trainer.offline import batches, evaluate, exact_batches, make_ttt_batch, shuffled
-    from trainer.step import adamw, set_lr, train_step
-
-    opt = adamw(head, cfg.lr, cfg.weight_decay)
-    step_cfg, lr_at = cfg.step_config(), TimeCosine(cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-    eval_cache = exact_batches(target, head, eval_english, cfg.max_len, cfg.batch_tokens)
-    gen = torch.Generator().manual_seed(cfg.seed * 7919)
-    prog, history = Progress(), []
-    t0 = last_ckpt = last_eval = time.time()
-    head.train()
-    over = lambda: prog.elapsed_s >= budget_s or 0 < max_steps <= prog.step
-    while not over():
-        for _, exs in batches(train_examples, shuffled(len(train_examples), cfg.seed, prog.epoch), cfg.batch_tokens,
-                              cfg.max_len):
-            set_lr(opt, lr_at(prog.step, prog.elapsed_s / budget_s))
-            stats = train_step(head, make_ttt_batch(target, head, exs, cfg.max_len), opt, None, step_cfg,
-                               step=prog.step, generator=gen)
-            prog.step, prog.tokens, prog.skipped = prog.step + 1, prog.tokens + stats.tokens, prog.skipped + stats.skipped
-            prog.elapsed_s = time.time() - t0
-            if time.time() - last_eval >= eval_s or over():
-                s = evaluate(head, target, eval_english, steps=cfg.ttt_steps, bf16=cfg.bf16, cached=eval_cache)
-                history.append({"step": prog.step, "tokens": prog.tokens, "elapsed_s": round(prog.elapsed_s, 1),
-                                "alpha": [round(a, 4) for a in s["alpha"]],
-                                "accept_length": round(s["accept_length"], 4), "loss": round(s["loss"], 4)})
-                log(f"[eval] step {prog.step} tokens {prog.tokens} ({prog.tokens / prog.elapsed_s:.0f} tok/s) "
-                    f"loss {stats.loss:.3f} lr {stats.lr:.1e} accept_len {s['accept_length']:.3f}")
-                last_eval = time.time()
-            if time.time() - last_ckpt >= checkpoint_s:
-                on_checkpoint(prog)
-                last_ckpt = time.time()
-            if over():
-                break
-        else:
-            prog.epoch += 1
-    return prog, history
 
 
 # ---- export ----------------------------------------------------------------------------------------------
@@ -308,7 +216,9 @@ def import_head(export_dir: Path, dest_root: Path) -> Path:
     return dest
 
 
-def gpu_record(target, args, prog: Progress | None, payload: Path, target_check: dict, partial: bool) -> dict:
+def gpu_record(target: Target, args, state: RunState | None, payload: Path, target_check: dict,
+               partial: bool) -> dict:
+    """The record of the run (head.json training.gpu_run): device, versions, budget, target check, progress."""
     import torch
     import transformers
 
@@ -318,86 +228,122 @@ def gpu_record(target, args, prog: Progress | None, payload: Path, target_check:
            "minutes_budget": args.minutes, "partial": partial, "target_check": target_check,
            "payload_sha256": (payload / ".payload_sha256").read_text() if (payload / ".payload_sha256").is_file()
            else None}
-    if prog is not None:
-        rec.update(steps=prog.step, tokens=prog.tokens, epochs=prog.epoch, seconds=round(prog.elapsed_s, 1),
-                   tokens_per_s=round(prog.tokens / max(prog.elapsed_s, 1e-9)), skipped_steps=prog.skipped)
+    if state is not None:
+        rec.update(steps=state.step, tokens=state.tokens, epochs=state.epoch, seconds=round(state.elapsed_s, 1),
+                   tokens_per_s=round(state.tokens / max(state.elapsed_s, 1e-9)), skipped_steps=state.skipped)
     return rec
 
 
 # ---- the two steps -----------------------------------------------------------------------------------
-def recipe(args, target_name: str, bf16: bool):
+def recipe(args, target_name: str, bf16: bool | None) -> TrainHeadConfig:
+    """The train-head recipe of this window's arguments (bf16 None: resolved for the device by the caller)."""
     from trainer.offline import TrainHeadConfig
+    from trainer.train_head import EVAL_DOMAINS
 
     lr = args.lr if args.lr is not None else (1e-4 if args.init_head else 5e-4)
-    return TrainHeadConfig(target=target_name, domains=list(args.domains), max_len=args.max_len,
+    return TrainHeadConfig(target=target_name, domains=list(args.domains or EVAL_DOMAINS), max_len=args.max_len,
                            batch_tokens=args.batch_tokens, token_budget=10**12, time_budget_min=args.minutes, lr=lr,
                            warmup_steps=args.warmup_steps, max_loss_rows=args.max_loss_rows or None, bf16=bf16,
                            seed=args.seed, eval_convs=args.eval_convs, checkpoint_minutes=args.checkpoint_minutes,
                            draft_vocab_size=args.draft_vocab_size)
 
 
-def run_train(args, log: Callable[[str], None] = print) -> dict:
-    """rebuild target → load (bf16 on CUDA) → data → head → train → evaluate → export. Returns the summary."""
+@dataclass(frozen=True)
+class Window:
+    """What the training call works with: the unpacked payload, the rebuilt target on the device, the recipe."""
+
+    payload: Path
+    work: Path
+    out: Path
+    info: dict  # payload.json
+    target_check: dict  # rebuild_target's check
+    target: Target  # on the device, bf16 when the recipe is
+    fingerprint: str  # the packing machine's when the target was rebuilt identical
+    cfg: TrainHeadConfig  # bf16 resolved for the device
+    data: TokenData  # the packed conversations
+
+
+def open_window(args, log: Callable[[str], None]) -> Window:
+    """Rebuild the target from the payload, resolve the recipe for the device and load the target there."""
     import torch
 
-    from adaptive_eagle import checkpoint as C
     from adaptive_eagle.targets import load_target, resolve_device
     from ops.gpu_train.tokens import read_tokens
-    from trainer.offline import evaluate, rounded
+    from trainer.train_head import resolve_bf16
 
     payload, work = Path(args.payload), Path(args.work)
     out = Path(args.out or os.environ.get("OUT") or work / "out")
     info = json.loads((payload / "payload.json").read_text())
     target_check = rebuild_target(payload, work / "target", log)
     device = resolve_device(args.device)
-    bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
+    cfg = resolve_bf16(recipe(args, info["target_name"], args.bf16), device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         log(f"device {torch.cuda.get_device_name(device)}")
-    target = load_target(str(work / "target"), device=device, dtype=torch.bfloat16 if bf16 else torch.float32,
+    target = load_target(str(work / "target"), device=device, dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
                          purpose="train")
     fingerprint = info["fingerprint"] if target_check["identical"] else target.fingerprint
-    cfg = recipe(args, info["target_name"], bf16)
-    data = read_tokens(payload / "data" / "tokens.npz")
+    return Window(payload, work, out, info, target_check, target, fingerprint, cfg,
+                  read_tokens(payload / "data" / "tokens.npz"))
+
+
+def run_train(args, log: Callable[[str], None] = print) -> dict:
+    """rebuild target → load on the device → data → head → trainer.offline.train_loop → evaluate → export."""
+    from trainer.budget import Budget, Cadence
+    from trainer.offline import rounded, train_loop
+    from trainer.train_head import evaluate_domains, fresh_head, head_from
+
+    w = open_window(args, log)
+    cfg, target, data = w.cfg, w.target, w.data
     train_examples = data.examples("train", cfg.domains, cfg.max_len)
     eval_english = data.examples("heldout", ["english"], cfg.max_len, limit=cfg.eval_convs)
     eval_len = min(args.eval_max_len, int(data.meta.get("max_len") or args.eval_max_len))
     sets = eval_sets(data, args.eval_n, eval_len)
     log(f"{len(train_examples)} train conversations ({sum(len(e.input_ids) for e in train_examples)} tokens) "
         f"of {cfg.domains}; held-out {({d: len(v) for d, v in sets.items()})}")
-    head, parent, vocab_info, warm = build_head(args, cfg, target, data, log)
-    baseline = evaluate_domains(head, target, sets, bf16, eval_len) if args.init_head else None
-    version = args.version or f"{info['target_name']}-gpu-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
+    start = (head_from(args.init_head, target, allow_fingerprint_mismatch=True) if args.init_head
+             else fresh_head(cfg, target, packed_counts(data, cfg, target.config.vocab_size), log))
+    baseline = evaluate_domains(start.head, target, sets, max_len=eval_len, bf16=cfg.bf16) if args.init_head else None
+    version = args.version or f"{w.info['target_name']}-gpu-{time.strftime('%Y%m%d-%H%M', time.gmtime())}"
 
-    def save(prog: Progress, metrics: dict, partial: bool) -> Path:
-        meta = C.HeadMeta.new(
-            version=version, target_name=info["target_name"], target_fingerprint=fingerprint, parent=parent,
-            data={"source": info.get("data_source", "packed"), "domains": cfg.domains, "split": "train",
-                  "tokens_seen": prog.tokens, "vocab": vocab_info, "payload": info.get("max_len")},
-            training={**cfg.model_dump(), "warm_start": warm,
-                      "gpu_run": gpu_record(target, args, prog, payload, target_check, partial)},
-            metrics=metrics)
-        C.save_head(head, work / "heads" / version, meta, overwrite=True)
-        summary = {"partial": partial, "tokens": prog.tokens, "steps": prog.step, "metrics": metrics}
-        return export_head(work / "heads" / version, out, summary)
+    def checkpoint(state) -> None:
+        metrics = {"train_tokens": state.tokens, "train_steps": state.step, "heldout_eval_init": baseline}
+        log(f"checkpoint: {save_and_export(w, args, start, version, state, metrics, True)} at {state.tokens} tokens")
 
-    def checkpoint(prog: Progress) -> None:
-        d = save(prog, {"train_tokens": prog.tokens, "train_steps": prog.step, "heldout_eval_init": baseline}, True)
-        log(f"checkpoint: {d} at {prog.tokens} tokens")
-
-    prog, history = train(head, target, cfg, train_examples, eval_english, args.minutes * 60, checkpoint,
-                          args.checkpoint_minutes * 60, args.eval_minutes * 60, log, args.max_steps)
-    final = evaluate_domains(head, target, sets, bf16, eval_len)
-    english = rounded(evaluate(head, target, eval_english, max_len=cfg.max_len, steps=cfg.ttt_steps, bf16=bf16))
-    metrics = {"heldout_eval": final, "heldout_eval_init": baseline, "heldout_english": english,
-               "train_tokens": prog.tokens, "train_steps": prog.step, "train_seconds": round(prog.elapsed_s, 1),
-               "history": history[-50:]}
-    d = save(prog, metrics, False)
+    state, last = train_loop(cfg, w.work / "run", target, start.head, train_examples, eval_english,
+                             extra=start.extra(), progress=False, log=log, on_checkpoint=checkpoint,
+                             budget=Budget.of(cfg, steps=args.max_steps or None, decay_over="seconds"),
+                             cadence=Cadence(eval_seconds=args.eval_minutes * 60,
+                                             checkpoint_seconds=args.checkpoint_minutes * 60))
+    final = evaluate_domains(start.head, target, sets, max_len=eval_len, bf16=cfg.bf16)
+    metrics = {"heldout_eval": final, "heldout_eval_init": baseline, "heldout_english": rounded(last),
+               "train_tokens": state.tokens, "train_steps": state.step, "train_seconds": round(state.elapsed_s, 1),
+               "history": state.history[-50:]}
+    d = save_and_export(w, args, start, version, state, metrics, False)
     for dom, r in final.items():
         was = f" (init {baseline[dom]['accept_length']:.3f})" if baseline and dom in baseline else ""
         log(f"{dom:8s} accept_length {r['accept_length']:.3f}{was} alpha {' '.join(f'{a:.3f}' for a in r['alpha'])}")
     log(f"head exported to {d}")
     return {"head": str(d), "version": version, "metrics": metrics}
+
+
+def save_and_export(w: Window, args, start: HeadStart, version: str, state: RunState, metrics: dict,
+                    partial: bool) -> Path:
+    """Save the head being trained as heads/<version> in the work directory (head.json with the recipe, the
+    vocabulary, the metrics and the record of the run) and export it to $OUT."""
+    from adaptive_eagle import checkpoint as C
+
+    cfg = w.cfg
+    meta = C.HeadMeta.new(
+        version=version, target_name=w.info["target_name"], target_fingerprint=w.fingerprint, parent=start.parent,
+        data={"source": w.info.get("data_source", "packed"), "domains": cfg.domains, "split": "train",
+              "tokens_seen": state.tokens, "vocab": start.vocab, "payload": w.info.get("max_len")},
+        training={**cfg.model_dump(), "warm_start": start.warm_start,
+                  "gpu_run": gpu_record(w.target, args, state, w.payload, w.target_check, partial)},
+        metrics=metrics)
+    C.save_head(start.head, w.work / "heads" / version, meta, overwrite=True)
+    summary = {"partial": partial, "tokens": state.tokens, "steps": state.step, "metrics": metrics}
+    return export_head(w.work / "heads" / version, w.out, summary)
 
 
 def parse_args(argv: Sequence[str] | None):
@@ -417,7 +363,7 @@ def parse_args(argv: Sequence[str] | None):
     t.add_argument("--init-head", type=Path, default=None, help="fine-tune this head (default: from scratch)")
     t.add_argument("--device", default="auto")
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on CUDA")
-    t.add_argument("--domains", nargs="+", default=list(EVAL_DOMAINS))
+    t.add_argument("--domains", nargs="+", default=None, help="default: eval-head's (english code math)")
     t.add_argument("--max-len", type=int, default=2048)
     t.add_argument("--batch-tokens", type=int, default=32768)
     t.add_argument("--max-loss-rows", type=int, default=16384, help="0: all")

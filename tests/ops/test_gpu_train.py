@@ -1,7 +1,8 @@
 """ops/gpu_train: the CPU half of the GPU window. Parts round-trip with sha256 checks, a corrupt part is
 refused by name, a re-pack rewrites only changed parts, the pre-tokenised data equals trainer.data's
-rendering, and the device-side entry (receive over several calls, then train) runs on CPU on a tiny
-target and returns a head that loads."""
+rendering, and the device-side entry (receive over several calls, then train with device "cpu") runs on
+CPU on a tiny target: its training is trainer.offline.train_loop's (run state, history, checkpoints), it
+returns a head that loads, and fine-tuning that head records its parent and its score before training."""
 
 from __future__ import annotations
 
@@ -249,10 +250,11 @@ def test_pack_receive_and_train_on_cpu_writes_a_loadable_head(tmp_path, monkeypa
 
     out = tmp_path / "OUT"
     monkeypatch.setenv("OUT", str(out))
-    args = parse_args(["train", "--work", str(work), "--device", "cpu", "--minutes", "5", "--max-steps", "3",
-                       "--checkpoint-minutes", "0.0001", "--eval-minutes", "0.0001", "--max-len", "128", "--batch-tokens", "512",
-                       "--eval-n", "6", "--eval-convs", "4", "--warmup-steps", "2", "--version", "tiny-gpu-test"])
-    summary = run_train(args, log=lambda s: None)
+    common = ["train", "--work", str(work), "--device", "cpu", "--minutes", "5", "--checkpoint-minutes", "0.0001",
+              "--eval-minutes", "0.0001", "--max-len", "128", "--batch-tokens", "512", "--eval-n", "6",
+              "--eval-convs", "4", "--warmup-steps", "2", "--no-bf16"]
+    logs: list[str] = []
+    summary = run_train(parse_args([*common, "--max-steps", "3", "--version", "tiny-gpu-test"]), log=logs.append)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert len(files) <= 8 and all(p.count("/") <= 2 for p in files), files
     head_dir = import_head(find_export(out), tmp_path / "heads")
@@ -261,7 +263,28 @@ def test_pack_receive_and_train_on_cpu_writes_a_loadable_head(tmp_path, monkeypa
     meta = json.loads((head_dir / "head.json").read_text())
     run = meta["training"]["gpu_run"]
     assert run["partial"] is False and run["tokens"] > 0 and run["steps"] == 3 and run["device"].startswith("cpu")
+    assert run["skipped_steps"] == 0 and run["minutes_budget"] == 5
     assert run["target_check"]["identical"] and meta["target_fingerprint"] == inputs.fingerprint
     assert set(meta["metrics"]["heldout_eval"]) <= {"english", "code", "math"} and meta["metrics"]["heldout_eval"]
     assert summary["metrics"]["train_tokens"] == run["tokens"]
-    assert loaded.meta.version == "tiny-gpu-test"
+    assert loaded.meta.version == "tiny-gpu-test" and meta["parent"] is None
+    # the training is trainer.offline.train_loop's: its run state, its history, a checkpoint (and export) each step
+    assert [h["step"] for h in meta["metrics"]["history"]] == [1, 2, 3, 3]
+    assert meta["metrics"]["heldout_english"]["loss"] == meta["metrics"]["history"][-1]["loss"]
+    trainer_json = json.loads((work / "run" / "state" / "trainer.json").read_text())
+    assert trainer_json["state"]["step"] == 3 and trainer_json["recipe"]["time_budget_min"] == 5
+    assert sum(line.startswith("checkpoint: ") for line in logs) == 3
+    assert meta["training"]["bf16"] is False and meta["training"]["warm_start"]["mode"] == "full"
+    assert set(meta["data"]["vocab"]) == {"size", "coverage", "domains", "curve"}
+
+    # fine-tune the returned head (trainer.train_head.head_from): scored before training, its parent recorded
+    summary = run_train(parse_args([*common, "--max-steps", "2", "--version", "tiny-gpu-ft", "--init-head",
+                                    str(head_dir)]), log=lambda s: None)
+    tuned_dir = import_head(find_export(out), tmp_path / "heads")
+    tuned = json.loads((tuned_dir / "head.json").read_text())
+    assert tuned["parent"] == "tiny-gpu-test" and tuned["training"]["lr"] == 1e-4
+    assert tuned["data"]["vocab"] == {"size": loaded.head.cfg.draft_vocab_size, "from": str(head_dir)}
+    assert tuned["training"]["warm_start"] is None and tuned["training"]["gpu_run"]["steps"] == 2
+    assert set(tuned["metrics"]["heldout_eval_init"]) == set(tuned["metrics"]["heldout_eval"])
+    assert tuned["metrics"]["heldout_eval_init"] == meta["metrics"]["heldout_eval"]  # the same head, the same sets
+    assert load_head(tuned_dir, target).meta.version == summary["version"] == "tiny-gpu-ft"

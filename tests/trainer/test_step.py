@@ -170,3 +170,17 @@ def test_extra_loss_is_added_after_the_forward_and_trained(target):
     assert calls == [1]
     assert with_extra.loss == pytest.approx(plain.loss + float((before ** 2).sum()), rel=1e-5)
     assert not torch.equal(b.lm_head.weight, a.lm_head.weight)  # the extra term's gradient reached the update
+
+
+def test_wall_clock_cosine_warms_up_by_steps_then_decays_over_the_seconds():
+    from trainer.step import WallClockCosine, cosine_lr
+
+    now = [0.0]
+    s = WallClockCosine(lr=1.0, budget_s=100.0, seconds_run=lambda: now[0], warmup_steps=4, min_lr_ratio=0.1)
+    assert [s(k) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s(4) == 1.0  # no time spent yet: the peak
+    now[0] = 50.0
+    assert s(9) == pytest.approx(0.55) == cosine_lr(1.0, 0.1, 0.5)
+    now[0] = 250.0
+    assert s(10) == pytest.approx(0.1)  # past the budget: held at the floor
+    assert WarmupCosine(lr=1.0, total_steps=12, warmup_steps=2)(7) == cosine_lr(1.0, 0.1, 0.5)

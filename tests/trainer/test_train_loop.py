@@ -1,5 +1,5 @@
-"""The offline training loop on a tiny target: it learns, its run state resumes exactly, and the
-warm start copies what the target can give."""
+"""The offline training loop on a tiny target: it learns, its run state resumes exactly, the warm start copies what
+the target can give, and the loop stops, evaluates, checkpoints and decays its lr by the budget and cadence given."""
 
 import dataclasses
 import json
@@ -10,11 +10,14 @@ import torch
 from adaptive_eagle.draft_head import causal_attend
 from adaptive_eagle.targets import tiny_target
 from trainer.data import TokenizedExample
+from trainer.budget import Budget, Cadence
 from trainer.offline import (
     RunState,
     TrainHeadConfig,
+    estimate_total_steps,
     evaluate,
     load_run_state,
+    loop_schedule,
     restore_optimizer,
     save_run_state,
     train_loop,
@@ -204,3 +207,49 @@ def test_recipe_is_frozen_and_checked():
     with pytest.raises(Exception):
         recipe(max_len=8)
     assert dataclasses.is_dataclass(RunState)
+
+
+def test_a_step_budget_with_a_wall_clock_cadence_checkpoints_and_calls_back(setup, tmp_path):
+    """What the GPU window asks of the loop: stop at a step count, evaluate and checkpoint by the clock, hear of
+    every periodic checkpoint (the run state is saved first, and once more at the end)."""
+    target, train, heldout, vocab = setup
+    head = new_head(target, vocab, seed=0)
+    seen = []
+
+    def on_checkpoint(state: RunState) -> None:
+        _, meta, _ = load_run_state(tmp_path, target)
+        seen.append((state.step, meta["state"]["step"]))
+
+    cfg = recipe()
+    state, last = train_loop(cfg, tmp_path, target, head, train, heldout, progress=False, log=lambda s: None,
+                             budget=Budget.of(cfg, steps=3), cadence=Cadence(eval_seconds=0.0, checkpoint_seconds=0.0),
+                             on_checkpoint=on_checkpoint)
+    assert state.step == 3 and state.skipped == 0 and 0 < state.tokens < cfg.token_budget
+    assert seen == [(1, 1), (2, 2), (3, 3)]
+    assert [h["step"] for h in state.history] == [1, 2, 3, 3]  # every step by the clock, then the final one
+    assert state.history[-1]["loss"] == round(last["loss"], 4)
+    _, meta, _ = load_run_state(tmp_path, target)
+    assert meta["state"]["step"] == 3 and meta["state"]["skipped"] == 0
+
+
+def test_a_time_budget_stops_the_loop_and_its_cosine_spans_the_seconds(setup, tmp_path):
+    target, train, heldout, vocab = setup
+    cfg = recipe(token_budget=10**9, time_budget_min=0.01)  # 0.6 s
+    budget = Budget.of(cfg, decay_over="seconds")
+    state, _ = train_loop(cfg, tmp_path, target, new_head(target, vocab, seed=0), train, heldout, progress=False,
+                          log=lambda s: None, budget=budget)
+    assert state.step >= 1 and 0.6 <= state.elapsed_s < 30
+    now = [0.0]
+    schedule = loop_schedule(cfg, budget, train, lambda: now[0])
+    assert schedule(0) == cfg.lr / cfg.warmup_steps
+    assert schedule(10) == cfg.lr
+    now[0] = 0.3
+    assert schedule(10) == pytest.approx(cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5))
+    by_tokens = loop_schedule(cfg, Budget.of(cfg), train, lambda: now[0])
+    assert by_tokens(30) == cfg.schedule(estimate_total_steps(cfg, train))(30)
+
+
+def test_the_loop_refuses_an_empty_training_set(setup, tmp_path):
+    target, _, heldout, vocab = setup
+    with pytest.raises(ValueError, match="no training examples"):
+        train_loop(recipe(), tmp_path, target, new_head(target, vocab, seed=0), [], heldout, progress=False)
