@@ -1,20 +1,22 @@
 """CandidateFeed: new heads in the registry, handed to the promotion policy with their replay evidence.
 
-Owns: noticing versions that appeared since the stack started, reading their evidence into
-`policies.samples.RequestSample` lists, and calling the policy's `consider` when it is free. Must not
-touch: the gates (policies/), training (trainer/).
+Owns: noticing versions that appeared since the stack started, converting their evidence (read through the
+head format's models, adaptive_eagle.evidence) into `policies.samples.RequestSample` lists, and calling the
+policy's `consider` when it is free. Must not touch: the gates (policies/), training (trainer/), the evidence
+formats (adaptive_eagle.evidence owns and validates them).
 
-Two kinds of evidence, as the trainer's `evidence` setting writes them:
-- test-then-train (head.json `metrics.replay.evidence: prequential`): the pairs grow in the candidate's
-  evidence file (adaptive_eagle.evidence) as the trainer replays new records. Every candidate whose evidence
-  is still undecided is re-read whenever it grew, and the policy's sequential offline gate judges it, until it
-  decides (or the file closes and it decides on what is there). A malformed file is refused with its reason,
-  counted and logged, and the candidate is not considered again.
-- held-out (`metrics.replay.samples.{candidate,champion}`: lists of [request_id, domain, accept_length] and,
-  since the context guard, the record's context position as a 4th element), complete when the candidate is
-  written: only the newest waiting candidate matters; one that arrives while
-  the policy is busy (a canary or a watch) or the registry is pinned waits, and a newer one replaces it.
-A version with neither (added by hand) is never considered automatically.
+Two kinds of evidence, as the trainer's `evidence` setting writes them (head.json `metrics.replay`,
+`ReplayEvidence`):
+- test-then-train (`evidence: prequential`): the pairs grow in the candidate's evidence file
+  (`CandidateEvidence`) as the trainer replays new records. Every candidate whose evidence is still undecided
+  is re-read whenever it grew, and the policy's sequential offline gate judges it, until it decides (or the
+  file closes and it decides on what is there).
+- held-out (`samples.{candidate,champion}`: one sample per record, with the record's context position since
+  the context guard), complete when the candidate is written: only the newest waiting candidate matters; one
+  that arrives while the policy is busy (a canary or a watch) or the registry is pinned waits, and a newer one
+  replaces it.
+A malformed evidence file or replay block is refused with its reason, counted and logged, and the candidate is
+not considered again. A version with no evidence (added by hand) is never considered automatically.
 """
 
 from __future__ import annotations
@@ -23,40 +25,35 @@ import asyncio
 import logging
 from typing import Optional
 
-from adaptive_eagle.evidence import CandidateEvidence, EvidenceError, read_evidence
-from adaptive_eagle.versions import PLAIN
+from adaptive_eagle.evidence import CandidateEvidence, EvidenceError, ReplayEvidence, ReplaySample, read_evidence
 from policies.samples import RequestSample
 
 log = logging.getLogger(__name__)
 
 
-def replay_samples(metrics: dict, candidate: str) -> Optional[tuple[list[RequestSample], list[RequestSample]]]:
-    """(champion samples, candidate samples) from a head.json's metrics; None without replay samples."""
-    replay = (metrics or {}).get("replay") or {}
-    samples = replay.get("samples") or {}
-    if not samples.get("candidate"):
+def heldout_samples(ev: ReplayEvidence, candidate: str) -> Optional[tuple[list[RequestSample], list[RequestSample]]]:
+    """(champion samples, candidate samples) of held-out evidence; None without candidate samples."""
+    if not ev.samples.candidate:
         return None
-    champion = replay.get("champion_version") or PLAIN
 
-    def rows(key: str, version: str) -> list[RequestSample]:
-        return [RequestSample(accept_length=max(1.0, float(row[2])), head_version=version, domain=row[1],
-                              request_id=str(row[0]), context=_context(row, key))
-                for row in samples.get(key) or ()]
+    def requests(samples: list[ReplaySample], version: str) -> list[RequestSample]:
+        return [RequestSample(accept_length=s.accept_length, head_version=version, domain=s.domain,
+                              request_id=s.request_id, context=s.context) for s in samples]
 
-    return rows("champion", champion), rows("candidate", candidate)
+    return requests(ev.samples.champion, ev.champion_version), requests(ev.samples.candidate, candidate)
 
 
-def _context(row, key: str) -> Optional[int]:
-    """A held-out row's context position: its 4th element (rows written before it existed have 3: None)."""
-    if len(row) not in (3, 4):
-        raise ValueError(f"replay sample row {row!r} of {key}: [request_id, domain, accept_length] or "
-                         "[request_id, domain, accept_length, context_position]")
-    return None if len(row) == 3 or row[3] is None else int(row[3])
+def replay_samples(metrics: dict, candidate: str) -> Optional[tuple[list[RequestSample], list[RequestSample]]]:
+    """(champion samples, candidate samples) from a head.json's metrics; None without replay samples. A malformed
+    replay block is refused (EvidenceError, a ValueError naming the field)."""
+    ev = ReplayEvidence.from_metrics(metrics)
+    return None if ev is None else heldout_samples(ev, candidate)
 
 
 def prequential(metrics: dict) -> bool:
     """Whether a candidate's evidence is test-then-train (an evidence file that grows)."""
-    return ((metrics or {}).get("replay") or {}).get("evidence") == "prequential"
+    ev = ReplayEvidence.from_metrics(metrics)
+    return ev is not None and ev.prequential
 
 
 def evidence_samples(ev: CandidateEvidence) -> tuple[list[RequestSample], list[RequestSample]]:
@@ -67,12 +64,6 @@ def evidence_samples(ev: CandidateEvidence) -> tuple[list[RequestSample], list[R
         champ.append(RequestSample(accept_length=a, head_version=ev.champion, domain=d, request_id=r, context=context))
         cand.append(RequestSample(accept_length=b, head_version=ev.version, domain=d, request_id=r, context=context))
     return champ, cand
-
-
-def replay_exact(metrics: dict) -> bool:
-    """Whether a candidate's replay was exact: every record it was replayed on was greedy (head.json's
-    metrics.replay.exact; False when absent). The policy then runs a health canary (policies.controller)."""
-    return bool(((metrics or {}).get("replay") or {}).get("exact", False))
 
 
 class CandidateFeed:
@@ -93,11 +84,13 @@ class CandidateFeed:
             if v.version in self.known:
                 continue
             self.known.add(v.version)
-            if prequential(v.metrics):
+            ev = self._replay(v)
+            if ev is not None and ev.prequential:
                 self.gathering[v.version] = (-1, True)
                 continue
-            if replay_samples(v.metrics, v.version) is None:
-                log.info("candidate feed: %s has no replay samples; not considered automatically", v.version)
+            if ev is None or heldout_samples(ev, v.version) is None:
+                if v.version not in self.refused:
+                    log.info("candidate feed: %s has no replay samples; not considered automatically", v.version)
                 continue
             if self.pending is not None:
                 log.info("candidate feed: %s superseded by %s", self.pending, v.version)
@@ -115,9 +108,9 @@ class CandidateFeed:
             return None
         if self.pending is not None:
             version, self.pending = self.pending, None
-            metrics = self.registry.version(version).metrics
-            champ, cand = replay_samples(metrics, version)
-            decision = await policy.consider(version, champ, cand, exact_replay=replay_exact(metrics))
+            ev = ReplayEvidence.from_head_meta(self.registry.version(version))
+            champ, cand = heldout_samples(ev, version)
+            decision = await policy.consider(version, champ, cand, exact_replay=ev.exact)
             return self._decided(version, decision)
         decision = None
         for version in sorted(self.gathering):  # names carry the write time: oldest first
@@ -137,8 +130,18 @@ class CandidateFeed:
         return decision
 
     def counts(self) -> dict:
-        """For the loop's metrics: evidence files refused, sequential looks, candidates gathering."""
+        """For the loop's metrics: evidence refused (files or head.json blocks), sequential looks, candidates
+        gathering."""
         return {"refused": len(self.refused), "looks": self.looks, "gathering": len(self.gathering)}
+
+    def _replay(self, version) -> Optional[ReplayEvidence]:
+        """A new version's head.json replay evidence; None without one, or when it is refused (counted, logged)."""
+        try:
+            return ReplayEvidence.from_head_meta(version)
+        except EvidenceError as e:
+            self.refused[version.version] = e.reason
+            log.error("candidate feed: %s not considered: its replay evidence is refused: %s", version.version, e)
+            return None
 
     def _read(self, version: str) -> Optional[CandidateEvidence]:
         try:
@@ -166,4 +169,4 @@ class CandidateFeed:
                 pass
 
 
-__all__ = ["CandidateFeed", "evidence_samples", "prequential", "replay_exact", "replay_samples"]
+__all__ = ["CandidateFeed", "evidence_samples", "heldout_samples", "prequential", "replay_samples"]

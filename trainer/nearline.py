@@ -57,7 +57,7 @@ from trainer.config import NearlineConfig
 from trainer.drift import DriftMonitor
 from trainer.moe import MoEGrowth, candidate_meta
 from trainer.prequential import EvidenceBook
-from trainer.replay import ReplayScore, replay_heads, replay_metrics
+from trainer.replay import ReplayScore, prequential_metrics, replay_heads, replay_metrics
 from trainer.scaleout import DataParallelStep
 from trainer.state import POOL_FILE, read_pool, read_state, restore_optimizer, write_pool, write_state
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
@@ -612,8 +612,7 @@ class NearlineTrainer:
         cand = copy.deepcopy(self.head).to(torch.bfloat16).float().eval()  # exactly what the registry stores
         t_eval = time.time()
         if self.prequential:
-            replay: dict = {"evidence": "prequential", "champion_version": self.base, "tree": self.cfg.tree.__dict__,
-                            "records": 0}
+            replay = prequential_metrics(self.base, self.cfg.tree)
             records = list(self.book.recent)
             if self.moe is not None and (summary := self.book.replay_summary()) is not None:
                 self.moe.note_replay(summary)

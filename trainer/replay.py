@@ -3,7 +3,8 @@
 Owns: replaying the EAGLE-2 dynamic tree of a head (adaptive_eagle.drafting, the engine's own
 drafting code, with the serving tree parameters) against the continuation the target actually
 committed, per record; per-record accept lengths, per-position acceptance (0-α…6-α), per-domain
-tables, and the per-record samples the policy's tail gate reads. Must not touch: the store, the
+tables, and the per-record samples the policy's tail gate reads; a candidate's head.json replay block, built
+through the head format's model (adaptive_eagle.evidence.ReplayEvidence). Must not touch: the store, the
 registry, optimizers.
 
 Counterfactual. At every verify step the head drafts a tree from the committed prefix; the step
@@ -30,10 +31,12 @@ import torch
 
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.drafting import HeadFeed, draft_tree
+from adaptive_eagle.evidence import HELDOUT, PREQUENTIAL, ReplayEvidence, ReplaySample, ReplaySamples, ReplayTree
 from adaptive_eagle.positions import context_position
 from adaptive_eagle.targets import Target
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.tree import DraftTree
+from adaptive_eagle.versions import PLAIN
 from trainer.positions import DEFAULT_EDGES, bucket_label, bucket_of, buckets_below, check_edges
 
 ALPHA_POSITIONS = 7  # 0-α … 6-α
@@ -274,22 +277,31 @@ def replay_heads(heads: dict[str, Eagle3DraftHead], records: Sequence[TraceRecor
 
 def replay_metrics(candidate: ReplayScore, champion: ReplayScore | None, champion_version: str, tree: TreeParams,
                    skipped: dict, greedy_records: int | None = None) -> dict:
-    """What a candidate's head.json records of its replay: both summaries and the per-record samples
-    ([request_id, domain, accept_length, context position]) the policy's offline gate pairs by request id. With no
-    champion head (plain decoding, "none"), every record scores 1.0 for the champion. greedy_records: how
-    many replayed records were greedy; `exact` says whether all were (the replay is then what each head
-    would have served, and the policy's canary only checks live health)."""
+    """What a candidate's head.json records of its held-out replay (adaptive_eagle.evidence.ReplayEvidence, as
+    `metrics.replay`): both summaries and the per-record samples ([request_id, domain, accept_length, context
+    position]) the policy's offline gate pairs by request id. With no champion head (plain decoding), every record
+    scores 1.0 for the champion. greedy_records: how many replayed records were greedy; `exact` says whether all
+    were (the replay is then what each head would have served, and the policy's canary only checks live health)."""
     champ = (champion.samples(champion_version) if champion is not None
-             else [{**s, "accept_length": 1.0, "head_version": "none"} for s in candidate.samples("none")])
-    row = lambda s: [s["request_id"], s["domain"], round(s["accept_length"], 4)] + (  # noqa: E731
-        [s["context"]] if s.get("context") is not None else [])
-    return {"records": len(candidate.records), "skipped": skipped, "tree": tree.__dict__,
-            "candidate": candidate.summary(), "champion": champion.summary() if champion is not None else None,
-            "champion_version": champion_version, "greedy_records": greedy_records,
-            "exact": greedy_records is not None and greedy_records == len(candidate.records) > 0,
-            "samples": {"candidate": [row(s) for s in candidate.samples("candidate")],
-                        "champion": [row(s) for s in champ]}}
+             else [{**s, "accept_length": 1.0, "head_version": PLAIN} for s in candidate.samples(PLAIN)])
+    sample = lambda s: ReplaySample(request_id=s["request_id"], domain=s["domain"],  # noqa: E731
+                                    accept_length=round(s["accept_length"], 4), context=s.get("context"))
+    return ReplayEvidence(
+        evidence=HELDOUT, records=len(candidate.records), skipped=skipped, tree=ReplayTree(**tree.__dict__),
+        candidate=candidate.summary(), champion=champion.summary() if champion is not None else None,
+        champion_version=champion_version, greedy_records=greedy_records,
+        exact=greedy_records is not None and greedy_records == len(candidate.records) > 0,
+        samples=ReplaySamples(candidate=[sample(s) for s in candidate.samples("candidate")],
+                              champion=[sample(s) for s in champ]),
+    ).to_metrics()
+
+
+def prequential_metrics(champion_version: str, tree: TreeParams) -> dict:
+    """What a test-then-train snapshot's head.json records (`metrics.replay`): the kind, the champion its evidence
+    is gathered against and the replay tree; the samples grow in its evidence file (adaptive_eagle.evidence)."""
+    return ReplayEvidence(evidence=PREQUENTIAL, champion_version=champion_version, tree=ReplayTree(**tree.__dict__),
+                          records=0).to_metrics()
 
 
 __all__ = ["ALPHA_POSITIONS", "RecordReplay", "ReplayReport", "ReplayScore", "TreeParams", "accepted_along",
-           "record_aux", "replay_heads", "replay_metrics", "replay_ready", "replay_record"]
+           "prequential_metrics", "record_aux", "replay_heads", "replay_metrics", "replay_ready", "replay_record"]

@@ -134,6 +134,20 @@ def test_replay_rows_carry_a_context_position_when_written_with_one():
         replay_samples(bad, "c1")
 
 
+def test_a_malformed_replay_block_is_refused_counted_and_never_considered(stack, tmp_path):
+    """A head.json whose metrics.replay does not parse (here an accept length below 1) is refused with the field
+    named, counted with the refused evidence files, and the scan goes on to the versions after it."""
+    from adaptive_eagle.registry import HeadRegistry
+
+    reg = HeadRegistry.create(tmp_path / "reg")
+    feed = CandidateFeed(reg)
+    register_candidate(reg, stack.target, "c1", cand=0.5, n=3)
+    register_candidate(reg, stack.target, "c2", n=3)
+    assert feed.scan() == "c2"
+    assert set(feed.refused) == {"c1"} and "metrics.replay.samples.candidate.0.accept_length" in feed.refused["c1"]
+    assert feed.counts()["refused"] == 1 and feed.scan() == "c2"  # refused once, not looked at again
+
+
 def test_held_out_replay_hands_the_policy_each_record_s_context_position():
     """Two heads replayed on the same captured records: every sample of a record has the same context position
     (prompt + half the generated tokens), the rows of head.json carry it, and the feed reads it back."""

@@ -77,3 +77,25 @@ def test_score_statistics():
     assert [x["request_id"] for x in samples] == ["a", "b"] and samples[0]["accept_length"] == 2.0
     assert s.summary()["domains"]["code"]["records"] == 2
     assert np.isclose(s.quantile(0.0), 1.0)
+
+
+def test_head_json_replay_blocks_are_written_through_the_evidence_model():
+    """replay_metrics / prequential_metrics build adaptive_eagle.evidence.ReplayEvidence and write its block: the
+    held-out one reads back with the same samples (plain decoding scores 1.0 for the champion), the test-then-train
+    one holds only the kind, the champion and the tree."""
+    from adaptive_eagle.evidence import ReplayEvidence
+    from adaptive_eagle.versions import PLAIN
+    from trainer.replay import prequential_metrics, replay_metrics
+
+    cand = ReplayScore((RecordReplay("a", "code", (2, 1), context=40), RecordReplay("b", None, (0,)),
+                        RecordReplay("c", "code", ())))
+    tree = TreeParams()
+    block = replay_metrics(cand, None, PLAIN, tree, {"other target": 1}, greedy_records=3)
+    ev = ReplayEvidence.from_metrics({"replay": block})
+    assert ev.evidence == "heldout" and ev.exact and ev.records == 3 and ev.champion is None
+    assert ev.tree.model_dump() == tree.__dict__ and ev.skipped == {"other target": 1}
+    assert block["samples"]["candidate"] == [["a", "code", 2.5, 40], ["b", None, 1.0]]
+    assert block["samples"]["champion"] == [["a", "code", 1.0, 40], ["b", None, 1.0]]
+    assert ev.to_metrics() == block and ev.candidate.model_dump(exclude_unset=True) == cand.summary()
+    assert prequential_metrics("v1", tree) == {"evidence": "prequential", "champion_version": "v1",
+                                               "tree": tree.__dict__, "records": 0}
