@@ -1,9 +1,12 @@
 """The reference decoding engine: EAGLE-3 speculative decoding, batch 1, lossless.
 
-Owns: one request's decode loop as named steps — prefill → (draft → verify → accept → capture)*
-— over a target KV cache and the draft head's KV cache, stop conditions, traces and hidden-state
-capture. Must not touch: networking, the feature store, training. `head=None` runs plain decoding
-through the same loop (an empty tree each step), for baselines.
+Owns: one request's decode loop as named steps — `run`: prefill → (draft → verify → accept →
+capture)* → finish — over a target KV cache and the draft head's KV cache, the head binding, the
+online cost model, traces and hidden-state capture. Its pieces have their own homes: the request and
+result types (request.py), a request's state and the steps' hand-offs (decoding.py), a proposal's
+bookkeeping (proposal.py), stop conditions and the output's text (stopping.py), the config
+(engine_config.py). Must not touch: networking, the feature store, training. `head=None` runs plain
+decoding through the same loop (an empty tree each step), for baselines.
 
 Positions. After a step, the target cache holds every committed token except the newest one (the
 bonus token, the tree's root). The head at position t reads (target aux feature of t, token t+1),
@@ -20,7 +23,6 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -28,16 +30,24 @@ import numpy as np
 import torch
 
 from adaptive_eagle.binding import (CalibrationStore, HeadBinding, HeadRefused, SwapResult, make_binding)
-from adaptive_eagle.costmodel import PinnedCosts, VerifyCost, best_prefix, min_useful_prob
+from adaptive_eagle.costmodel import VerifyCost, best_prefix, min_useful_prob
+from adaptive_eagle.decoding import Accepted, DecodeState, Verified
 from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.drafting import HeadFeed, draft_tree
-from adaptive_eagle.lookup import BudgetSplit, suffix_match_continuation
+from adaptive_eagle.engine_config import EngineConfig
+from adaptive_eagle.lookup import suffix_match_continuation
+from adaptive_eagle.proposal import Proposal, accept_estimates, account, restrict
+from adaptive_eagle.request import GenerationRequest, GenerationResult, StepOutput
+from adaptive_eagle.stopping import Committed, StopCheck, TextStream, cut_at_stop
 from adaptive_eagle.suffix_index import SuffixIndex, SuffixIndexConfig
 from adaptive_eagle.targets import Target, cache_dir
 from adaptive_eagle.trace import SamplingParams, TraceRecord, VerifyStep
 from adaptive_eagle.tree import (DraftTree, chain_tree, merge_trees, subset_tree, tree_attention_mask,
                                  tree_position_ids)
-from adaptive_eagle.verify import VerifyResult, sampling_probs, verify_greedy, verify_sampling
+from adaptive_eagle.verify import sampling_probs, verify_greedy, verify_sampling
+
+__all__ = ["EngineConfig", "GenerationError", "GenerationRequest", "GenerationResult", "SpeculativeEngine",
+           "StepOutput"]
 
 LOOKUP_SURE = 0.8  # calibrated acceptance of a model-free first token above which the head does not expand
 EMPTY_TREE = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)), torch.zeros(0), torch.zeros(0))
@@ -47,95 +57,9 @@ class GenerationError(ValueError):
     """A request the engine refuses (bad prompt, limits, head/target mismatch)."""
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    depth: int = 5  # draft steps per tree
-    topk: int = 4  # children per expanded node, and frontier width
-    num_draft_tokens: int = 16  # nodes kept per tree (verified in one target forward)
-    min_path_prob: float = 0.02  # stop drafting deeper once every frontier path is less likely than this
-    prompt_lookup: bool = True  # merge suffix-match continuations from the request's context
-    lookup_max_tokens: int = 16
-    lookup_min_ngram: int = 2
-    # verify only the part of each tree that pays for itself on this machine (costmodel.py): the
-    # target's forward cost by size is measured when the engine starts and followed online
-    cost_aware: bool = True
-    # charge these costs instead of timing this machine: drafting decisions that depend on acceptance
-    # alone, the same on any machine and under any load (tests, paired benchmarks); None: measure
-    pinned_costs: PinnedCosts | None = None
-    # merge continuations of recently served outputs (cross-request suffix index, same tenant when
-    # the index isolates tenants); the index is updated when a request finishes
-    suffix_drafting: bool = True
-    # where acceptance calibrations persist per (head version, target, compute mode); None: the
-    # cache dir's calibration/; "" disables persistence
-    calibration_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or self.topk < 1 or self.num_draft_tokens < 1:
-            raise ValueError("depth, topk and num_draft_tokens must be >= 1")
-        if self.lookup_max_tokens < 0 or self.lookup_min_ngram < 1:
-            raise ValueError("lookup_max_tokens must be >= 0 and lookup_min_ngram >= 1")
-        if isinstance(self.pinned_costs, dict):  # from a config file or a pydantic dump
-            object.__setattr__(self, "pinned_costs", PinnedCosts(**self.pinned_costs))
-        if self.pinned_costs is not None and not isinstance(self.pinned_costs, PinnedCosts):
-            raise ValueError(f"pinned_costs must be a PinnedCosts or None, not {type(self.pinned_costs).__name__}")
-
-
-    @classmethod
-    def plain(cls) -> "EngineConfig":
-        """Plain decoding: no drafting of any kind (for baselines)."""
-        return cls(prompt_lookup=False, suffix_drafting=False)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # generated tokens
-    finish_reason: str  # "stop" (EOS or stop string) | "length"
-    trace: TraceRecord
-    elapsed_s: float
-    steps: list[VerifyStep] = field(default_factory=list)
-
-    @property
-    def head_version(self) -> str | None:
-        """The head this request was bound to (None: plain decoding)."""
-        return self.trace.head_version
-
-    @property
-    def compute(self) -> str:
-        """How the target ran, e.g. "float32" or "float32+fp16-weights"."""
-        return self.trace.compute
-
-    @property
-    def lossless(self) -> str:
-        """"exact", or "lossless up to bf16 rounding"."""
-        return self.trace.lossless
-
-    @property
-    def accept_length_mean(self) -> float:
-        return self.trace.accept_length_mean
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
 def _cache_kwarg(model) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """One step's draft tree and which source proposed each path (for acceptance bookkeeping)."""
-
-    tree: DraftTree
-    eagle_paths: frozenset = frozenset()  # token paths the draft head proposed
-    lookup: tuple[int, ...] = ()  # the prompt-lookup chain as offered (a prefix of the tree's paths)
-    suffix: dict = field(default_factory=dict)  # token path -> empirical probability (suffix index)
-    head_drafted: bool = False  # the head ran this step (its cost was paid even if the pruning kept none)
-
-    def offered(self) -> dict[str, int]:
-        return {"eagle": len(self.eagle_paths), "lookup": len(self.lookup), "suffix": len(self.suffix)}
 
 
 class SpeculativeEngine:
@@ -318,25 +242,6 @@ class SpeculativeEngine:
         self._sync()
         return time.perf_counter()
 
-    def _accept_estimates(self, binding: HeadBinding, p: Proposal) -> torch.Tensor:
-        """[N] estimated acceptance of each node: the best of its sources' calibrated estimates (the
-        draft's path probability for EAGLE nodes, the index's empirical probability for suffix
-        nodes, the measured per-depth rate for the lookup chain)."""
-        cal, tree = binding.calibration, p.tree
-        eagle = cal.eagle(tree.scores.exp()) if p.eagle_paths else None
-        suffix_paths = [path for path in tree.token_paths if path in p.suffix]
-        suffix = dict(zip(suffix_paths, cal.suffix(torch.tensor([p.suffix[q] for q in suffix_paths])).tolist())) \
-            if suffix_paths else {}
-        lookup = list(p.lookup)
-        est = torch.zeros(tree.size)
-        for i, path in enumerate(tree.token_paths):
-            a = float(eagle[i]) if eagle is not None and path in p.eagle_paths else 0.0
-            a = max(a, suffix.get(path, 0.0))
-            if lookup[: len(path)] == list(path):
-                a = max(a, cal.lookup(len(path)))
-            est[i] = a
-        return est
-
     # ---- target ---------------------------------------------------------------------------------
     def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None,
                         aux: bool = True, final: bool = False):
@@ -380,14 +285,18 @@ class SpeculativeEngine:
                 suffix = None
         return cont, suffix
 
-    def _propose(self, binding: HeadBinding, context: list[int], feed: "HeadFeed | None", root_pos: int,
-                 split: BudgetSplit, tenant: str, head_ok: bool = True) -> Proposal:
-        """This step's draft tree: the head's dynamic tree (unless `head_ok` is False: the gate found
+    def _head_pays(self, state: DecodeState) -> bool:
+        """Whether drafting with the head pays now (the binding's gate; always, unless cost-aware)."""
+        return state.feed is None or not self.config.cost_aware or state.binding.gate.allow(
+            1.0 / (self.verify_cost(1) * 1.05))
+
+    def _draft(self, state: DecodeState, head_ok: bool = True) -> Proposal:
+        """Draft: this step's tree: the head's dynamic tree (unless `head_ok` is False: the gate found
         drafting with the head does not pay now), the lookup chain and the suffix-index tree merged,
         their node budget split by measured acceptance; then (cost-aware) the part that pays."""
-        cfg, cal = self.config, binding.calibration
-        budget = cfg.num_draft_tokens
-        cont, suffix = self._model_free(context, tenant)
+        cfg, binding, feed, split = self.config, state.binding, state.feed, state.split
+        cal, budget, root_pos = binding.calibration, cfg.num_draft_tokens, state.root_pos
+        cont, suffix = self._model_free(state.context, state.request.tenant)
         # when a model-free draft is a safe bet (the request is copying, or repeating a served
         # output), the head would rarely add a token: verify those drafts alone and leave the head's
         # features pending (fed in one call later)
@@ -415,119 +324,148 @@ class SpeculativeEngine:
             tree = merge_trees(tree, part, budget) if tree.size else part
         p = Proposal(tree, eagle_paths, tuple(lookup), suffix_probs, drafted)
         if cfg.cost_aware and tree.size:
-            keep = best_prefix(self._accept_estimates(binding, p), tree.parents, tree.depths, self.verify_cost,
+            keep = best_prefix(accept_estimates(cal, p), tree.parents, tree.depths, self.verify_cost,
                                self.overhead_ms)
             if len(keep) < tree.size:
-                p = _restrict(p, subset_tree(tree, keep))
+                p = restrict(p, subset_tree(tree, keep))
         return p
 
-    def _account(self, binding: HeadBinding, split: BudgetSplit, p: Proposal, res: VerifyResult) -> None:
-        """What each source got accepted: feeds the budget split and (cost-aware) the calibration."""
-        accepted = tuple(res.tokens[: res.accept_length])
-        prefixes = [accepted[:k] for k in range(1, len(accepted) + 1)]
-        by_lookup = 0
-        while by_lookup < min(len(p.lookup), len(accepted)) and p.lookup[by_lookup] == accepted[by_lookup]:
-            by_lookup += 1
-        got = {"eagle": sum(q in p.eagle_paths for q in prefixes), "lookup": by_lookup,
-               "suffix": sum(q in p.suffix for q in prefixes)}
-        split.update(p.offered(), got)
-        if self.config.cost_aware and p.tree.size:
-            cal, taken = binding.calibration, set(res.accepted_nodes)
-            paths = p.tree.token_paths
-            eagle_nodes = [i for i, path in enumerate(paths) if path in p.eagle_paths]
-            cal.observe_eagle([math.exp(float(p.tree.scores[i])) for i in eagle_nodes],
-                              [i in taken for i in eagle_nodes])
-            suffix_nodes = [i for i, path in enumerate(paths) if path in p.suffix]
-            cal.observe_suffix([p.suffix[paths[i]] for i in suffix_nodes], [i in taken for i in suffix_nodes])
-            cal.observe_lookup(len(p.lookup), by_lookup)
+    # ---- the loop: prefill -> (draft -> verify -> accept -> capture)* -> finish ------------------------
+    def run(self, request: GenerationRequest) -> Iterator[StepOutput | GenerationResult]:
+        """Decode `request`: a StepOutput per verify step that commits tokens (with the text that became
+        final: stop strings cut, never half emitted), a last StepOutput with no tokens when text remains,
+        then the GenerationResult."""
+        return self._run(request, text=True)
 
-    # ---- the loop --------------------------------------------------------------------------------
-    @torch.inference_mode()
     def stream(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
                tenant: str = "default", index_output: bool = True, binding: HeadBinding | None = None
                ) -> Iterator[tuple[list[int], GenerationResult | None]]:
-        """Yields (new token ids, None) per verify step, then ([], GenerationResult) once.
+        """Yields (new token ids, None) per verify step, then ([], GenerationResult) once. `prompt`: a
+        GenerationRequest, or the prompt with the other arguments as keywords (GenerationRequest.of).
         index_output=False keeps this request's output out of the cross-request suffix index (a
         request that opted out of capture must not feed other requests' drafts either). binding: decode
         with this prepared head (`bind`) instead of the installed one (a canary's share of requests)."""
-        sampling = sampling or SamplingParams()
-        prompt_ids = self.encode(prompt)
-        self.check_request(len(prompt_ids), sampling)
-        binding = binding or self._binding  # this request drafts, calibrates and reports with this head
-        gate = binding.gate
-        if self._needs_costs(binding) and not self.verify_cost.points:
-            self.measure_verify_cost()  # a head was installed into an engine that started without drafting
-        t0 = time.perf_counter()
-        from transformers import DynamicCache
-
-        cache = DynamicCache()
-        n = len(prompt_ids)
-        need_aux = capture or binding.head is not None  # plain decoding without capture skips them
-        logits, aux, final = self._target_forward(prompt_ids, cache, torch.arange(n), None, need_aux, capture)
-        captured = [torch.cat([aux, final], -1).float().cpu()] if capture else []  # [n, n_aux * H + H] rows
-        first = self._sample_row(logits[-1:], sampling, generator)
-        generated: list[int] = [first]
-        steps: list[VerifyStep] = []
-        feed = None
-        split = BudgetSplit()
-        if binding.head is not None:
-            feed = HeadFeed.empty(binding.head, n + 64, self.device)
-            feed.add(prompt_ids[1:] + [first], aux, 0)
-        visible, finish = self._cut(generated, sampling, stop)
-        emitted = 0
-        while True:
-            if len(visible) > emitted:
-                yield visible[emitted:], None
-                emitted = len(visible)
-            if finish is not None:
-                break
-            root_pos = n + len(generated) - 1  # position of the root (newest, uncached) token
-            t_step = time.perf_counter()
-            # draft
-            head_ok = feed is None or not self.config.cost_aware or gate.allow(1.0 / (self.verify_cost(1) * 1.05))
-            p = self._propose(binding, prompt_ids + generated, feed, root_pos, split, tenant, head_ok)
-            tree = p.tree
-            # verify: the whole tree in one target forward
-            t_verify = time.perf_counter()
-            mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
-            logits, aux, final = self._target_forward([generated[-1]] + tree.tokens.tolist(), cache,
-                                                      tree_position_ids(tree, root_pos), mask, need_aux, capture)
-            t_done = self._clock() if self.config.cost_aware and self.config.pinned_costs is None else 0.0
-            res = self._verify(tree, logits, sampling, generator)
-            # accept: keep the accepted path in the target cache, feed it to the head
-            self._account(binding, split, p, res)
-            rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
-            self._keep_cache(cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
-            new = list(res.tokens)
-            if feed is not None:
-                feed.add(new, aux.index_select(0, rows), root_pos)
-            generated.extend(new)
-            # capture
-            steps.append(VerifyStep(tree.size, res.accept_length, res.accept_length, res.rejected_token,
-                                    res.rejected_draft_prob, res.rejected_target_prob))
-            if capture:
-                captured.append(torch.cat([aux, final], -1).index_select(0, rows).float().cpu())
-            if self.config.cost_aware:
-                step_ms = self._timed(t_step, t_verify, t_done, tree.size + 1, len(new))
-                if p.head_drafted or not head_ok:  # steps the gate decided (not copy runs, where lookup is sure)
-                    gate.observe(p.head_drafted, len(new), step_ms)
-            visible, finish = self._cut(generated, sampling, stop)
-        if self.suffix_index is not None and index_output:
-            self.suffix_index.add(visible, tenant)
-        self.calibrations.save(binding, self.target.fingerprint)  # rate-limited; never raises
-        yield [], self._result(binding, prompt_ids, visible, finish, steps, captured, sampling, request_id, tenant,
-                               t0)
+        request = GenerationRequest.of(prompt, sampling, stop, capture, request_id, generator, tenant, index_output,
+                                       binding)
+        for item in self._run(request, text=False):
+            if isinstance(item, GenerationResult):
+                yield [], item
+            elif item.token_ids:
+                yield list(item.token_ids), None
 
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                  capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
                  tenant: str = "default", index_output: bool = True,
                  binding: HeadBinding | None = None) -> GenerationResult:
+        """`stream` to the end: the GenerationResult."""
+        request = GenerationRequest.of(prompt, sampling, stop, capture, request_id, generator, tenant, index_output,
+                                       binding)
         result = None
-        for _, res in self.stream(prompt, sampling, stop, capture, request_id, generator, tenant, index_output,
-                                  binding):
-            result = res or result
+        for item in self._run(request, text=False):
+            result = item if isinstance(item, GenerationResult) else result
         return result
+
+    @torch.inference_mode()
+    def _run(self, request: GenerationRequest, text: bool) -> Iterator[StepOutput | GenerationResult]:
+        """The loop. text=False: no text is decoded along the way unless stop strings need it."""
+        state, out = self._prefill(request, text)
+        while True:
+            if out.token_ids:
+                yield StepOutput(out.token_ids, out.text)
+            if out.finish is not None:
+                break
+            t_step = time.perf_counter()
+            head_ok = self._head_pays(state)
+            proposal = self._draft(state, head_ok)
+            verified = self._verify(state, proposal.tree)
+            accepted = self._accept(state, proposal, verified)
+            self._capture(state, proposal.tree, verified, accepted)
+            self._follow_costs(state, proposal, head_ok, t_step, verified, accepted)
+            out = state.stops.commit(accepted.tokens)
+        yield from self._finish(state)
+
+    def _prefill(self, request: GenerationRequest, text: bool) -> tuple[DecodeState, Committed]:
+        """The prompt through the target in one forward, its first token sampled, the head fed."""
+        prompt_ids = self.encode(request.prompt)
+        self.check_request(len(prompt_ids), request.sampling)
+        binding = request.binding or self._binding  # this request drafts, calibrates and reports with this head
+        if self._needs_costs(binding) and not self.verify_cost.points:
+            self.measure_verify_cost()  # a head was installed into an engine that started without drafting
+        t0 = time.perf_counter()
+        from transformers import DynamicCache
+
+        cache, n = DynamicCache(), len(prompt_ids)
+        need_aux = request.capture or binding.head is not None  # plain decoding without capture skips them
+        logits, aux, final = self._target_forward(prompt_ids, cache, torch.arange(n), None, need_aux, request.capture)
+        first = self._sample_row(logits[-1:], request.sampling, request.generator)
+        feed = None
+        if binding.head is not None:
+            feed = HeadFeed.empty(binding.head, n + 64, self.device)
+            feed.add(prompt_ids[1:] + [first], aux, 0)
+        stream = TextStream(self.detokenize, request.stop) if text or request.stop else None
+        state = DecodeState(request, binding, prompt_ids, cache, need_aux, feed,
+                            StopCheck(self.eos_ids, request.sampling.max_tokens, stream), t0, generated=[first])
+        if request.capture:
+            state.captured.append(torch.cat([aux, final], -1).float().cpu())  # [n, n_aux * H + H]
+        return state, state.stops.commit([first])
+
+    def _verify(self, state: DecodeState, tree: DraftTree) -> Verified:
+        """Verify: the root and the whole tree in one target forward, then the accepted path."""
+        root_pos, sampling = state.root_pos, state.sampling
+        t_verify = time.perf_counter()
+        mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
+        logits, aux, final = self._target_forward([state.generated[-1]] + tree.tokens.tolist(), state.cache,
+                                                  tree_position_ids(tree, root_pos), mask, state.need_aux,
+                                                  state.request.capture)
+        t_done = self._clock() if self.config.cost_aware and self.config.pinned_costs is None else 0.0
+        if sampling.temperature == 0:
+            res = verify_greedy(tree, logits)
+        else:
+            res = verify_sampling(tree, sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k),
+                                  state.request.generator)
+        return Verified(res, aux, final, t_verify, t_done)
+
+    def _accept(self, state: DecodeState, p: Proposal, v: Verified) -> Accepted:
+        """Accept: what each source got accepted, the accepted path kept in the target cache and fed to
+        the head, its tokens committed."""
+        res, root_pos = v.result, state.root_pos
+        account(state.binding.calibration, state.split, p, res, self.config.cost_aware)
+        rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
+        self._keep_cache(state.cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
+        if state.feed is not None:
+            state.feed.add(list(res.tokens), v.aux.index_select(0, rows), root_pos)
+        state.generated.extend(res.tokens)
+        return Accepted(rows, res.tokens)
+
+    def _capture(self, state: DecodeState, tree: DraftTree, v: Verified, a: Accepted) -> None:
+        """Capture: the step's record, and (capture) the hidden states of the accepted path."""
+        res = v.result
+        state.steps.append(VerifyStep(tree.size, res.accepted_drafts, res.accepted_drafts, res.rejected_token,
+                                      res.rejected_draft_prob, res.rejected_target_prob))
+        if state.request.capture:
+            state.captured.append(torch.cat([v.aux, v.final], -1).index_select(0, a.rows).float().cpu())
+
+    def _follow_costs(self, state: DecodeState, p: Proposal, head_ok: bool, t_step: float, v: Verified,
+                      a: Accepted) -> None:
+        """(Cost-aware) the step's timings into the cost model, and the gate's view of drafting."""
+        if self.config.cost_aware:
+            step_ms = self._timed(t_step, v.t_verify, v.t_done, p.tree.size + 1, len(a.tokens))
+            if p.head_drafted or not head_ok:  # steps the gate decided (not copy runs, where lookup is sure)
+                state.binding.gate.observe(p.head_drafted, len(a.tokens), step_ms)
+
+    def _finish(self, state: DecodeState) -> Iterator[StepOutput | GenerationResult]:
+        """The output indexed, the calibration saved, the text not shown yet, the result."""
+        request, output = state.request, state.stops.kept
+        if self.suffix_index is not None and request.consent:
+            self.suffix_index.add(output, request.tenant)
+        self.calibrations.save(state.binding, self.target.fingerprint)  # rate-limited; never raises
+        full = self.detokenize(output)
+        shown = cut_at_stop(full, request.stop)
+        stream = state.stops.text
+        if stream is not None and (rest := stream.rest_of(shown)):
+            yield StepOutput((), rest)
+        yield self._result(state, full if self.target.tokenizer is not None else "", shown)
 
     def _sample_row(self, logits_row, sampling: SamplingParams, generator) -> int:
         if sampling.temperature == 0:
@@ -535,48 +473,33 @@ class SpeculativeEngine:
         probs = sampling_probs(logits_row[-1:], sampling.temperature, sampling.top_p, sampling.top_k)
         return int(torch.multinomial(probs[0].cpu(), 1, generator=generator))
 
-    def _verify(self, tree, logits, sampling: SamplingParams, generator) -> VerifyResult:
-        if sampling.temperature == 0:
-            return verify_greedy(tree, logits)
-        probs = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
-        return verify_sampling(tree, probs, generator)
-
-    # ---- stopping --------------------------------------------------------------------------------
-    def _cut(self, generated: list[int], sampling: SamplingParams, stop) -> tuple[list[int], str | None]:
-        """The tokens to emit and why decoding ends (None: go on). Cuts after the first EOS (kept),
-        after the token that completes the first stop string (kept), or at max_tokens."""
-        for i, t in enumerate(generated):
-            if t in self.eos_ids:
-                return generated[: i + 1], "stop"
-        if stop and self.target.tokenizer is not None:
-            for i in range(1, len(generated) + 1):
-                if any(s in self.target.tokenizer.decode(generated[max(0, i - 64) : i]) for s in stop):
-                    return generated[:i], "stop"
-        if len(generated) >= sampling.max_tokens:
-            return generated[: sampling.max_tokens], "length"
-        return generated, None
-
-    def _result(self, binding: HeadBinding, prompt_ids, generated, finish, steps, captured, sampling, request_id,
-                tenant, t0) -> GenerationResult:
+    def detokenize(self, token_ids) -> str:
+        """Generated tokens as a client reads them: EOS and special tokens skipped (a target without a
+        tokenizer: the ids joined by spaces). Stop strings are looked for in this text."""
         tok = self.target.tokenizer
-        text = ""
-        if tok is not None:
-            body = [t for t in generated if t not in self.eos_ids]
-            text = tok.decode(body, skip_special_tokens=True)
+        if tok is None:
+            return " ".join(str(t) for t in token_ids)
+        return tok.decode([t for t in token_ids if t not in self.eos_ids], skip_special_tokens=True)
+
+    def _result(self, state: DecodeState, text: str, shown: str) -> GenerationResult:
+        request, prompt_ids, generated = state.request, state.prompt_ids, state.stops.kept
         ids = prompt_ids + generated
         aux = final = None
-        if captured:
-            rows = torch.cat(captured)[: len(ids)].numpy().astype(np.float32)
+        if state.captured:
+            rows = torch.cat(state.captured)[: len(ids)].numpy().astype(np.float32)
             width = rows.shape[1] - self.target.config.hidden_size
             aux, final = rows[:, :width], rows[:, width:]
         trace = TraceRecord(
-            request_id=request_id, target_fingerprint=self.target.fingerprint, head_version=binding.version,
-            backend="reference", input_ids=tuple(ids), loss_mask=tuple([0] * len(prompt_ids) + [1] * len(generated)),
-            steps=tuple(steps), tenant=tenant, sampling=sampling, aux_hidden=aux, final_hidden=final,
+            request_id=request.request_id, target_fingerprint=self.target.fingerprint,
+            head_version=state.binding.version, backend="reference", input_ids=tuple(ids),
+            loss_mask=tuple([0] * len(prompt_ids) + [1] * len(generated)), steps=tuple(state.steps),
+            tenant=request.tenant, sampling=request.sampling, domain=request.domain,
+            capture_consent=request.consent, aux_hidden=aux, final_hidden=final,
             aux_layer_ids=tuple(self.target.aux_layer_ids) if aux is not None else (),
-            compute=binding.compute, lossless=binding.lossless,
+            compute=state.binding.compute, lossless=state.binding.lossless,
         )
-        return GenerationResult(text, generated, finish, trace, time.perf_counter() - t0, steps)
+        return GenerationResult(text, list(generated), state.stops.finish, trace, time.perf_counter() - state.t0,
+                                state.steps, shown)
 
 
 def _unpack_head(head, version: str | None) -> tuple[Eagle3DraftHead | None, str | None, dict | None]:
@@ -587,13 +510,3 @@ def _unpack_head(head, version: str | None) -> tuple[Eagle3DraftHead | None, str
     if meta is None or not isinstance(getattr(head, "head", None), Eagle3DraftHead):
         raise GenerationError(f"head must be an Eagle3DraftHead, a LoadedHead or None, not {type(head).__name__}")
     return head.head, version or meta.version, meta.metrics
-
-
-def _restrict(p: Proposal, tree: DraftTree) -> Proposal:
-    """The proposal cut to `tree` (an ancestor-closed part of p.tree)."""
-    kept = set(tree.token_paths)
-    n = 0
-    while n < len(p.lookup) and p.lookup[: n + 1] in kept:
-        n += 1
-    return Proposal(tree, p.eagle_paths & kept, p.lookup[:n], {q: v for q, v in p.suffix.items() if q in kept},
-                    p.head_drafted)

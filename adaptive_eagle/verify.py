@@ -4,9 +4,13 @@ Vocabulary.
   draft        a token proposed by the draft head (a node of the DraftTree);
   target       the model whose output distribution must be preserved exactly;
   accepted     draft tokens the target agrees with, along one root-to-node path;
-  bonus token  the one token the target itself emits after the last accepted node (always one, so
-               every verify step yields accept_length + 1 tokens);
-  accept length  the number of accepted draft tokens in a step (0..depth).
+  bonus token  the one token the target itself emits after the last accepted node (always one);
+  accepted drafts  the number of accepted draft tokens in a step (0..depth): `VerifyResult.accepted_drafts`;
+  accept length  the tokens a step yields, accepted drafts + the bonus token (1..depth + 1):
+               `VerifyResult.accept_length`; a request's (or a head's) accept length is its mean over
+               verify steps, `mean_accept_length` (1.0 = plain decoding speed). Serving, the policy and
+               the trainer's replay use "accept length" in this sense only. (`VerifyStep.accept_length`
+               in a stored trace is a step's accepted drafts: a persisted field kept under its old name.)
 
 Rows of the target's verify output: row 0 is the root (the last committed token), row i + 1 is
 tree node i; row r's distribution is the target's next-token distribution after that node's path.
@@ -39,8 +43,14 @@ class VerifyResult:
     rejected_target_prob: float = math.nan
 
     @property
-    def accept_length(self) -> int:
+    def accepted_drafts(self) -> int:
+        """Draft tokens the target accepted (0..depth)."""
         return len(self.accepted_nodes)
+
+    @property
+    def accept_length(self) -> int:
+        """Tokens this step yields: the accepted drafts and the bonus token (1..depth + 1)."""
+        return len(self.tokens)
 
     @property
     def bonus_token(self) -> int:
@@ -141,7 +151,8 @@ def _rejection_info(tree: DraftTree, node: int | None, target_row_probs: torch.T
     return tok, float(math.exp(float(tree.logprobs[node]))), float(target_row_probs[tok])
 
 
-def accept_length(results) -> float:
-    """Mean emitted tokens per verify step (accepted + bonus) over VerifyResults."""
+def mean_accept_length(results) -> float:
+    """The accept length of a run of verify steps: mean tokens per step (accepted drafts + bonus) over
+    VerifyResults (0.0 when there are none)."""
     results = list(results)
-    return sum(len(r.tokens) for r in results) / max(1, len(results))
+    return sum(r.accept_length for r in results) / max(1, len(results))

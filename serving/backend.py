@@ -1,10 +1,11 @@
 """Decoding backends behind one interface: the reference engine here, SGLang in sglang_backend.py.
 
 Owns: the `Backend` protocol (prepare a request -> prompt ids; stream it -> token chunks, then one
-`BackendResult` carrying the `TraceRecord`; `swap_head(version) -> SwapResult`; `head_version`;
+`BackendResult` carrying the `TraceRecord`; a backend that checks stop strings itself gives each chunk
+its final text, else the server makes it with the core's `TextStream`; `swap_head(version) -> SwapResult`; `head_version`;
 `info()`), `RequestError` (a request a backend refuses, with the field at fault), and
-`ReferenceBackend` around `SpeculativeEngine` + `HeadRegistry`, and its one-replica canary
-(`set_canary`). Must not touch: threads, queues, capture and the store (server.py), HTTP
+`ReferenceBackend` around `SpeculativeEngine` + `HeadRegistry` (one `GenerationRequest` per
+request; the engine cuts stop strings and makes the text), and its one-replica canary (`set_canary`). Must not touch: threads, queues, capture and the store (server.py), HTTP
 (gateway.py). A backend runs one request at a time; the server guarantees it.
 
 Hot swap goes through `engine.set_head`: a request binds its head when it starts and finishes on it,
@@ -34,6 +35,7 @@ import torch
 
 from adaptive_eagle.binding import HeadBinding, SwapResult
 from adaptive_eagle.engine import GenerationError, SpeculativeEngine
+from adaptive_eagle.request import GenerationRequest, StepOutput
 from adaptive_eagle.pacing import Pacer
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import TraceRecord
@@ -52,13 +54,16 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class TokenChunk:
-    token_ids: tuple[int, ...]  # tokens committed by one verify step
+    token_ids: tuple[int, ...]  # tokens committed by one verify step (none: the last of the text)
+    # the text that became final (stop strings cut, never half a character); None: the backend gives
+    # tokens only and the server makes the text (SGLang)
+    text: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class BackendResult:
     token_ids: tuple[int, ...]  # every generated token (EOS or the stop-completing token included)
-    text: str  # the engine's text (stop strings not yet cut)
+    text: str  # the completion's text (cut at its first stop string when the chunks carried text)
     finish_reason: str  # "stop" | "length"
     trace: TraceRecord  # tenant, domain and capture consent filled in
     elapsed_s: float
@@ -181,22 +186,23 @@ class ReferenceBackend:
             raise GenerationError("this target has no tokenizer: pass token ids")
         return [int(t) for t in tok(text)["input_ids"]]
 
-    def stream(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> Iterator[BackendItem]:
+    def generation_request(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> GenerationRequest:
+        """The engine's request for `request` (prepared: `prompt_ids`); capture: the server wants hidden states."""
         generator = None
         if request.temperature > 0:
             generator = torch.Generator().manual_seed(request.seed if request.seed is not None
                                                       else int(time.time_ns() % (1 << 62)))
-        binding = self._binding_for(request)
-        for new, result in self.engine.stream(prompt_ids, request.sampling(), list(request.stop) or None,
-                                              capture=capture and request.capture, request_id=request.request_id,
-                                              generator=generator, tenant=request.tenant,
-                                              index_output=request.capture, binding=binding):
-            if new:
-                yield TokenChunk(tuple(new))
-            if result is not None:
-                trace = replace(result.trace, domain=request.domain, capture_consent=request.capture)
-                yield BackendResult(tuple(result.token_ids), result.text, result.finish_reason, trace,
-                                    result.elapsed_s)
+        return GenerationRequest(prompt_ids, request.sampling(), request.stop, capture=capture and request.capture,
+                                 request_id=request.request_id, tenant=request.tenant, domain=request.domain,
+                                 consent=request.capture, generator=generator, binding=self._binding_for(request))
+
+    def stream(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> Iterator[BackendItem]:
+        for item in self.engine.run(self.generation_request(request, prompt_ids, capture)):
+            if isinstance(item, StepOutput):
+                yield TokenChunk(item.token_ids, item.text)
+            else:
+                yield BackendResult(tuple(item.token_ids), item.output_text, item.finish_reason, item.trace,
+                                    item.elapsed_s)
 
     def _binding_for(self, request: DecodeRequest) -> Optional[HeadBinding]:
         """The canary's binding for its share of requests (or a request that asked for its head); None: the
@@ -209,10 +215,7 @@ class ReferenceBackend:
         return canary.binding if canary.takes(request.request_id) else None
 
     def decode(self, token_ids: list[int]) -> str:
-        tok = self.engine.target.tokenizer
-        if tok is None:
-            return " ".join(str(t) for t in token_ids)
-        return tok.decode([t for t in token_ids if t not in self.engine.eos_ids], skip_special_tokens=True)
+        return self.engine.detokenize(token_ids)
 
     # ---- hot swap --------------------------------------------------------------------------------
     def _load(self, version: str):

@@ -2,8 +2,9 @@
 
 Owns: running one request at a time on the replica's decode thread (`stream` on the caller's
 thread under a lock; `astream` on a single worker thread, so an event loop stays responsive while
-the replica decodes), turning backend tokens into text deltas (stop strings cut, never half
-emitted), capture (decide after the request, `StoreWriter.put` never blocks or raises), the
+the replica decodes), text deltas (the backend's, whose engine cuts stop strings; for a backend
+that gives tokens only (SGLang) the core's `TextStream` makes them: adaptive_eagle.stopping is the
+one home of stop strings), capture (decide after the request, `StoreWriter.put` never blocks or raises), the
 speculative metrics of each response, counters and status, the hot-swap entry point
 `swap_head(version) -> SwapResult` and the one-replica canary `set_canary(version, fraction)`. Must not touch: HTTP, routing, Ray (actor.py is the shell).
 
@@ -22,10 +23,11 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Iterator, Optional
+from typing import AsyncIterator, Iterator, Optional
 
 from adaptive_eagle.binding import SwapResult
 from adaptive_eagle.engine import GenerationError
+from adaptive_eagle.stopping import TextStream
 from adaptive_eagle.versions import version_label
 from serving.backend import Backend, BackendResult, RequestError, TokenChunk
 from serving.capture import CapturePolicy, CaptureSampler
@@ -55,39 +57,6 @@ def settle_heap() -> None:
     happens. Frozen, it walks only what serving allocated since. Called once a process's replicas are built."""
     gc.collect()
     gc.freeze()
-
-
-class TextStream:
-    """Incremental detokenisation: emits text that can no longer change, holding back a possible
-    partial stop string and an incomplete UTF-8 character; `finish` returns the rest, cut at the
-    first stop string."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
-        self.decode, self.stop = decode, tuple(s for s in stop if s)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def _cut(self, text: str) -> tuple[str, bool]:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return (text[: min(hits)], True) if hits else (text, False)
-
-    def push(self, token_ids) -> str:
-        self.ids.extend(token_ids)
-        text, stopped = self._cut(self.decode(self.ids))
-        if not stopped and self.hold:
-            text = text[: max(0, len(text) - self.hold)]
-        text = text.rstrip("\ufffd")
-        if len(text) <= len(self.emitted) or not text.startswith(self.emitted):
-            return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
-
-    def finish(self, token_ids) -> tuple[str, str]:
-        """(the whole text, what was not emitted yet)."""
-        text, _ = self._cut(self.decode(list(token_ids)))
-        rest = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        return text, rest
 
 
 def spec_metrics(result: BackendResult, backend: str, replica: str, captured: str, domain) -> SpecMetrics:
@@ -143,7 +112,7 @@ class DecodeServer:
             yield Refused(e.status, e.message, e.param, e.code)
             return
         yield Started(request.request_id, len(prompt_ids), self.name)
-        text = TextStream(self.backend.decode, request.stop)
+        text: Optional[TextStream] = None  # made for a backend whose chunks carry tokens only
         result = None
         items = self.backend.stream(request, prompt_ids, self.sampler.wants_hidden(request.capture))
         try:
@@ -152,7 +121,9 @@ class DecodeServer:
                     self._count("cancelled")
                     return
                 if isinstance(item, TokenChunk):
-                    if delta := text.push(item.token_ids):
+                    if item.text is None:
+                        text = text or TextStream(self.backend.decode, request.stop)
+                    if delta := (item.text if item.text is not None else text.push(item.token_ids)):
                         yield Delta(delta, item.token_ids)
                 elif isinstance(item, BackendResult):
                     result = item
@@ -169,10 +140,13 @@ class DecodeServer:
             items.close()
         yield from self._finish(request, prompt_ids, text, result)
 
-    def _finish(self, request: DecodeRequest, prompt_ids, text: TextStream, result: BackendResult) -> Iterator[Event]:
-        full, rest = text.finish(result.token_ids)
-        if rest:
-            yield Delta(rest)
+    def _finish(self, request: DecodeRequest, prompt_ids, text: Optional[TextStream], result: BackendResult
+                ) -> Iterator[Event]:
+        full = result.text  # the backend cut it, and its chunks carried the text
+        if text is not None:
+            full, rest = text.finish(result.token_ids)
+            if rest:
+                yield Delta(rest)
         captured = self._capture(request, result)
         spec = spec_metrics(result, self.backend.name, self.name, captured, request.domain)
         self._count("served")

@@ -7,7 +7,8 @@ import torch
 
 from adaptive_eagle.costmodel import PinnedCosts
 from adaptive_eagle.draft_head import DraftHeadConfig, Eagle3DraftHead, init_weights
-from adaptive_eagle.engine import EngineConfig, GenerationError, SpeculativeEngine
+from adaptive_eagle.engine import EngineConfig, GenerationError, GenerationRequest, SpeculativeEngine
+from adaptive_eagle.stopping import cut_at_stop
 from adaptive_eagle.targets import tiny_target
 from adaptive_eagle.trace import SamplingParams
 
@@ -254,3 +255,30 @@ def test_pinned_costs_make_drafting_independent_of_how_fast_the_target_runs():
     with pytest.raises(ValueError, match="pinned_costs"):
         EngineConfig(pinned_costs=[(1, 2.0)])
     assert EngineConfig(pinned_costs={"verify_ms": [[1, 2.0]]}).pinned_costs == PinnedCosts(((1, 2.0),))
+
+
+def test_stop_strings_and_max_tokens_end_the_output_where_plain_decoding_would():
+    target, head = tiny_setup()
+    cfg = EngineConfig(depth=4, topk=4, num_draft_tokens=12, cost_aware=False)
+    engine, plain = SpeculativeEngine(target, head, cfg), SpeculativeEngine(target, None, cfg)
+    prompt = [4, 8, 15, 16, 23]
+    full = plain.generate(prompt, SamplingParams(max_tokens=24)).token_ids
+    assert len(full) == 24
+    for max_tokens in (3, 7, 11):  # a verify step that commits past max_tokens is cut there
+        sp = SamplingParams(max_tokens=max_tokens)
+        got, base = engine.generate(prompt, sp), plain.generate(prompt, sp)
+        assert got.token_ids == base.token_ids and len(got.token_ids) <= max_tokens
+    stop = (engine.detokenize(full[6:8]),)  # a tokenizer-less target's text: the ids joined by spaces
+    ends = next(i for i in range(1, len(full) + 1)
+                if cut_at_stop(engine.detokenize(full[:i]), stop) != engine.detokenize(full[:i]))
+    request = GenerationRequest(prompt, SamplingParams(max_tokens=24), stop, request_id="r", domain="code")
+    items = list(engine.run(request))
+    res = items[-1]
+    assert res.token_ids == full[:ends] and res.finish_reason == "stop"
+    assert res.output_text == cut_at_stop(engine.detokenize(full[:ends]), stop)
+    assert "".join(i.text for i in items[:-1]) == res.output_text  # shown as it became final, stop string never
+    assert res.trace.domain == "code" and res.trace.request_id == "r"
+    keywords = engine.generate(prompt, SamplingParams(max_tokens=24), stop=list(stop), request_id="r")
+    assert keywords.token_ids == res.token_ids == plain.generate(request).token_ids
+    with pytest.raises(TypeError):
+        engine.generate(request, SamplingParams())

@@ -6,7 +6,7 @@ import torch
 from scipy import stats
 
 from adaptive_eagle.tree import DraftTree, build_tree, chain_tree
-from adaptive_eagle.verify import sampling_probs, verify_greedy, verify_sampling
+from adaptive_eagle.verify import mean_accept_length, sampling_probs, verify_greedy, verify_sampling
 
 
 def onehot_logits(rows):
@@ -25,7 +25,9 @@ def test_greedy_follows_argmax_path_and_adds_bonus():
     full = verify_greedy(tree, onehot_logits([3, 4, 5, 6]))
     assert full.tokens == (3, 4, 5, 6) and full.rejected_token == -1
     none = verify_greedy(tree, onehot_logits([2, 0, 0, 0]))
-    assert none.accept_length == 0 and none.tokens == (2,)
+    assert none.accepted_drafts == 0 and none.accept_length == 1 and none.tokens == (2,)
+    assert res.accepted_drafts == 2 and res.accept_length == 3 and full.accept_length == 4
+    assert mean_accept_length([res, full, none]) == (3 + 4 + 1) / 3  # tokens per verify step, bonus included
 
 
 def test_greedy_picks_the_matching_branch():
@@ -68,7 +70,7 @@ def test_sampling_preserves_target_distribution():
     for _ in range(n_draws):
         r = verify_sampling(tree, rows, gen)
         first[r.tokens[0]] += 1
-        if r.accept_length >= 1 and len(r.tokens) >= 2:
+        if r.accepted_drafts >= 1 and len(r.tokens) >= 2:
             pair.setdefault(r.accepted_nodes[0], torch.zeros(vocab))[r.tokens[1]] += 1
     chi = stats.chisquare(first.numpy(), (rows[0] * n_draws).numpy())
     assert chi.pvalue > 1e-3, chi

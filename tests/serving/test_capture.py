@@ -2,7 +2,7 @@
 never half emitted), table-style without a model."""
 
 from serving.capture import CapturePolicy, CaptureSampler
-from serving.server import TextStream
+from adaptive_eagle.stopping import TextStream
 
 
 class Clock:
