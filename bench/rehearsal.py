@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from adaptive_eagle.compute import machine_key  # noqa: E402
+from adaptive_eagle.evidence import EvidenceError, ReplayEvidence  # noqa: E402
 from loop.metrics import trainer_state_class  # noqa: E402
 
 from bench.chaos import Prometheus, RedisTLS  # noqa: E402
@@ -586,7 +587,13 @@ def _stale_gate_decisions(events: list, registry) -> dict:
     candidate's head.json names the champion it was replayed against (metrics.replay.champion_version); a
     decision that judged it (canary_started, promoted, or rejected with the gate's evidence) while another
     champion served is stale. `refused` counts candidates rejected for stale evidence (the guard working)."""
-    against = {v.version: ((v.metrics or {}).get("replay") or {}).get("champion_version") for v in registry.versions()}
+    against = {}
+    for v in registry.versions():
+        try:
+            ev = ReplayEvidence.from_metrics(v.metrics or {}, v.version)
+        except EvidenceError:  # the policy refuses it too: it was never judged
+            ev = None
+        against[v.version] = ev.champion_version if ev is not None else None
     stale = refused = 0
     for e in events:
         if e.event == "rejected" and e.reason.startswith("stale evidence"):

@@ -245,8 +245,9 @@ class LoopCollector:
         yield GaugeMetricFamily("ae_candidates_gathering_evidence", "Candidate snapshots whose test-then-train "
                                 "evidence is still growing", value=float(len(t.get("gathering") or ())))
         if s.feed is not None:
-            yield CounterMetricFamily("ae_candidate_evidence_refused", "Candidates whose evidence file the policy "
-                                      "refused (malformed; named in the log), never considered", value=float(
+            yield CounterMetricFamily("ae_candidate_evidence_refused", "Candidates whose evidence the policy refused "
+                                      "(a malformed evidence file or head.json replay block; named in the log), "
+                                      "never considered", value=float(
                                           s.feed.get("refused", 0)))
             yield CounterMetricFamily("ae_candidate_evidence_looks", "Looks of the sequential offline gate at "
                                       "growing test-then-train evidence", value=float(s.feed.get("looks", 0)))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator, Optional, Protocol, Union
 
@@ -40,6 +39,7 @@ from adaptive_eagle.pacing import Pacer
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.versions import PLAIN, engine_version, version_label
+from policies.canary import Canary
 from serving.messages import DecodeRequest
 
 
@@ -72,24 +72,27 @@ class BackendResult:
 BackendItem = Union[TokenChunk, BackendResult]
 
 
-def unit_hash(request_id: str) -> float:
-    """A stable number in [0, 1) for a request id (a canary takes the ids below its fraction)."""
-    return zlib.crc32(request_id.encode()) / 2**32
-
-
 @dataclass(frozen=True)
 class CanaryBinding:
-    """A candidate head prepared next to the installed one; it decodes `fraction` of the requests."""
+    """A candidate head prepared next to the installed one: the policy's canary record (which requests it
+    takes: policies.canary) and the bound head that decodes them."""
 
-    version: str
-    fraction: float  # in [0, 1]
+    canary: Canary
     binding: HeadBinding
 
+    @property
+    def version(self) -> str:
+        return self.canary.version
+
+    @property
+    def fraction(self) -> float:
+        return self.canary.fraction
+
     def takes(self, request_id: str) -> bool:
-        return unit_hash(request_id) < self.fraction
+        return self.canary.takes(request_id)
 
     def to_json(self) -> dict:
-        return {"version": self.version, "fraction": self.fraction}
+        return self.canary.to_json()
 
 
 class Backend(Protocol):
@@ -283,7 +286,7 @@ class ReferenceBackend:
                 what = f"canary of {current.version} ended" if current else "no canary was running"
                 return SwapResult(True, f"{what}; {self.head_version} serves every request", None)
             if current is not None and current.version == version:
-                self._canary = replace(current, fraction=fraction)
+                self._canary = replace(current, canary=Canary(version, fraction))
                 return SwapResult(True, f"canary {version} now takes {fraction:.0%} of requests", version)
             if version == self.head_version:
                 return SwapResult(False, f"refused canary {version}: it already serves every request",
@@ -294,7 +297,7 @@ class ReferenceBackend:
             except Exception as e:  # noqa: BLE001 - missing, checksum, shape: the old canary (if any) stays
                 return SwapResult(False, f"refused canary {version}: {e}", current.version if current else None,
                                   (time.perf_counter() - t0) * 1e3)
-            self._canary = CanaryBinding(version, fraction, binding)
+            self._canary = CanaryBinding(Canary(version, fraction), binding)
             return SwapResult(True, f"canary {version} takes {fraction:.0%} of requests next to {self.head_version}",
                               version, (time.perf_counter() - t0) * 1e3)
 
