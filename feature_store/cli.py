@@ -19,22 +19,17 @@ PREFIX = typer.Option("ae", "--prefix", help="Redis key prefix (with --redis-url
 
 
 def _config(config: Optional[Path], root: Optional[Path], redis_url: Optional[str], prefix: str):
-    from pydantic import ValidationError
-
-    from feature_store.config import StoreConfig
+    from feature_store.config import StoreConfigError, store_config_from_options
 
     try:
-        if config is not None:
-            return StoreConfig.from_file(config)
-        if redis_url:
-            return StoreConfig(backend="redis", redis_url=redis_url, key_prefix=prefix)
-        if root is not None:
-            return StoreConfig(backend="local", local_root=str(root))
-    except (ValidationError, OSError, ValueError) as e:
-        typer.secho(f"error: bad store config: {e}", fg=typer.colors.RED, err=True)
+        cfg = store_config_from_options(config, root, redis_url, prefix)
+    except StoreConfigError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2)
-    typer.secho("error: give --config, --root or --redis-url", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+    if cfg is None:
+        typer.secho("error: give --config, --root or --redis-url", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2)
+    return cfg
 
 
 def _backend(cfg):
@@ -144,4 +139,5 @@ def export(out: Path = typer.Argument(..., help="output file (.parquet or .jsonl
                        domains=frozenset({domain}) if domain else None)
     b = _backend(cfg)
     res = export_jsonl(b, out, flt) if fmt == "jsonl" else export_parquet(b, out, flt, hidden=hidden)  # type: ignore
-    typer.echo(f"wrote {res.records} records ({res.tokens} tokens) to {res.path}; skipped {res.corrupt} corrupt")
+    typer.echo(f"wrote {res.records} records ({res.tokens} tokens) to {res.path}; skipped {res.corrupt} corrupt"
+               + (f", {res.refused} of an unknown schema version" if res.refused else ""))

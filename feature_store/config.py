@@ -1,5 +1,7 @@
 """StoreConfig: the one pydantic model that configures the feature store (it crosses config files
-and processes). Immutable after construction; every field documented and range-checked."""
+and processes). Immutable after construction; every field documented and range-checked.
+`store_config_from_options`: the StoreConfig that a command line's store options name (every command that
+reads a store takes the same three)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_serializer, model_validator
 
 from feature_store.codecs import DEFAULT_CODEC
 
@@ -90,3 +92,24 @@ class StoreConfig(BaseModel):
     @classmethod
     def from_file(cls, path: str | Path) -> "StoreConfig":
         return cls.model_validate(json.loads(Path(path).read_text()))
+
+
+class StoreConfigError(ValueError):
+    """Store options that name no valid store: a config file that cannot be read, or values out of range."""
+
+
+def store_config_from_options(config_file: str | Path | None = None, root: str | Path | None = None,
+                              redis_url: str | None = None, prefix: str = "ae") -> Optional[StoreConfig]:
+    """The StoreConfig of a command line's store options, in this order: a StoreConfig JSON file, a Redis URL
+    (keys under `prefix`), a local backend directory. None when none of them is given (the command says which
+    options it takes). Raises StoreConfigError for a file that cannot be read or options that do not validate."""
+    try:
+        if config_file is not None:
+            return StoreConfig.from_file(config_file)
+        if redis_url:
+            return StoreConfig(backend="redis", redis_url=redis_url, key_prefix=prefix)
+        if root is not None:
+            return StoreConfig(backend="local", local_root=str(root))
+    except (ValidationError, OSError, ValueError) as e:
+        raise StoreConfigError(f"bad store config: {e}") from e
+    return None

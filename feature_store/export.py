@@ -1,6 +1,8 @@
 """Export a window of stored records for offline training elsewhere.
 
-Owns: the two offline layouts below. Must not touch: the stored data (export only reads).
+Owns: the two offline layouts below. Must not touch: the stored data (export only reads, through the
+reader's read-only scan, feature_store.reader.StoreScan: no consumer group, nothing acked). Payloads the scan
+cannot read are skipped and counted: `corrupt`, and `refused` (an unknown schema MAJOR version).
 
 Parquet (`export_parquet`), one row per record, schema metadata `trace_schema_version` and
 `export_layout = "adaptive-eagle.trace-export/1"`:
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -29,8 +31,8 @@ import pyarrow.parquet as pq
 
 from adaptive_eagle.trace import TRACE_SCHEMA_VERSION, TraceRecord
 from feature_store.backend import Backend
-from feature_store.reader import RecordFilter
-from feature_store.schema import CorruptRecordError, decode_aux, decode_table, row_to_record
+from feature_store.reader import RecordFilter, StoreScan
+from feature_store.schema import decode_aux
 
 EXPORT_LAYOUT = "adaptive-eagle.trace-export/1"
 Hidden = Literal["none", "encoded", "float32"]
@@ -42,25 +44,8 @@ class ExportResult:
     path: str
     records: int
     tokens: int
-    corrupt: int
-
-
-def iter_rows(backend: Backend, flt: RecordFilter | None = None) -> Iterator[tuple[str, dict, TraceRecord]]:
-    """(entry id, encoded row, record without hidden states) for every stored record that passes flt;
-    a corrupt entry comes out as (id, {}, None) so callers can count it."""
-    flt = flt or RecordFilter()
-    for e in backend.scan(flt.since, flt.until):
-        try:
-            if e.payload is None:
-                raise CorruptRecordError("payload lost")
-            table, version = decode_table(e.payload)
-            row = table.slice(0, 1).to_pylist()[0]
-            rec = row_to_record({**row, "aux_data": None, "final_data": None}, version)
-        except CorruptRecordError:
-            yield e.id, {}, None
-            continue
-        if flt.matches(rec):
-            yield e.id, row, rec
+    corrupt: int  # payloads skipped as unreadable or lost
+    refused: int  # payloads skipped for an unknown schema MAJOR version (upgrade to export them)
 
 
 def _export_row(eid: str, row: dict, rec: TraceRecord, hidden: Hidden) -> dict:
@@ -120,13 +105,12 @@ def export_parquet(backend: Backend, path: str | Path, flt: RecordFilter | None 
                    hidden: Hidden = "none") -> ExportResult:
     """Write the records in flt's window to one Parquet file (layout in the module docstring)."""
     path = Path(path)
-    writer, rows, n, tokens, corrupt, schema = None, [], 0, 0, 0, None
+    scan = StoreScan(backend, flt, hidden=False)  # hidden states are copied or decoded from the row as stored
+    writer, rows, n, tokens, schema = None, [], 0, 0, None
     try:
-        for eid, row, rec in iter_rows(backend, flt):
-            if rec is None:
-                corrupt += 1
-                continue
-            r = _export_row(eid, row, rec, hidden)
+        for s in scan:
+            rec = s.record
+            r = _export_row(s.id, s.row, rec, hidden)
             if schema is None:
                 cols = r["aux_hidden"].shape[1] if hidden == "float32" and r.get("aux_hidden") is not None else None
                 schema = _schema(hidden, cols)
@@ -144,7 +128,7 @@ def export_parquet(backend: Backend, path: str | Path, flt: RecordFilter | None 
     finally:
         if writer is not None:
             writer.close()
-    return ExportResult(str(path), n, tokens, corrupt)
+    return ExportResult(str(path), n, tokens, scan.corrupt, scan.refused)
 
 
 def conversation_turns(input_ids: tuple[int, ...], loss_mask: tuple[int, ...]) -> list[dict]:
@@ -161,19 +145,18 @@ def conversation_turns(input_ids: tuple[int, ...], loss_mask: tuple[int, ...]) -
 def export_jsonl(backend: Backend, path: str | Path, flt: RecordFilter | None = None) -> ExportResult:
     """SpecForge-style `{id, conversations}` JSONL with token ids (layout in the module docstring)."""
     path = Path(path)
-    n = tokens = corrupt = 0
+    scan = StoreScan(backend, flt, hidden=False)
+    n = tokens = 0
     with open(path, "w") as f:
-        for _, _, rec in iter_rows(backend, flt):
-            if rec is None:
-                corrupt += 1
-                continue
+        for s in scan:
+            rec = s.record
             f.write(json.dumps({
                 "id": rec.request_id, "conversations": conversation_turns(rec.input_ids, rec.loss_mask),
                 "input_ids": list(rec.input_ids), "loss_mask": list(rec.loss_mask),
                 "head_version": rec.head_version, "domain": rec.domain, "created_at": rec.created_at,
             }) + "\n")
             n, tokens = n + 1, tokens + len(rec.input_ids)
-    return ExportResult(str(path), n, tokens, corrupt)
+    return ExportResult(str(path), n, tokens, scan.corrupt, scan.refused)
 
 
 def read_parquet_hidden(path: str | Path) -> list[np.ndarray | None]:

@@ -155,11 +155,16 @@ def _eval_on_store(heads, store_opts, target, domains, window, records, registry
     from adaptive_eagle.checkpoint import HeadValidationError
     from adaptive_eagle.registry import RegistryError
     from feature_store.backend import StoreUnavailable
-    from feature_store.cli import _config
+    from feature_store.config import StoreConfigError, store_config_from_options
     from trainer.evaluate import replay_store
     from trainer.replay import TreeParams
 
-    cfg = _config(*store_opts, "ae")
+    try:
+        cfg = store_config_from_options(*store_opts, prefix="ae")
+    except StoreConfigError as e:
+        fail(str(e))
+    if cfg is None:
+        fail("give --store-config, --root or --redis-url")
     try:
         with Progress(transient=True, disable=as_json) as bar:
             task = bar.add_task("replaying", total=None)

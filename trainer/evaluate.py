@@ -1,16 +1,16 @@
 """Acceptance replay over a window of stored traffic (`adaptive-eagle eval-head HEAD --root/--config ...`).
 
-Owns: reading a window of records from the feature store read-only (a scan: no consumer group, no
-ack, nothing created), loading the heads to compare (a registry version or a version directory),
-and replaying them on the same records (trainer.replay). Must not touch: the store's contents, the
-registry's champion.
+Owns: choosing the window of stored records to replay (read with the store's read-only scan,
+feature_store.reader.scan_records: no consumer group, no ack, nothing created), loading the heads to compare
+(a registry version or a version directory), and replaying them on the same records (trainer.replay). Must
+not touch: the store's contents, the registry's champion, the store's backends or payloads (the reader
+decodes).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections import deque
 from pathlib import Path
 from typing import Sequence
 
@@ -18,10 +18,8 @@ from adaptive_eagle.checkpoint import load_head
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.targets import Target, load_target
 from adaptive_eagle.trace import TraceRecord
-from feature_store.backend import open_backend
 from feature_store.config import StoreConfig
-from feature_store.reader import RecordFilter
-from feature_store.schema import CorruptRecordError, SchemaVersionError, decode_record
+from feature_store.reader import RecordFilter, scan_records
 from trainer.replay import ReplayReport, TreeParams, replay_heads
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
@@ -39,24 +37,10 @@ def parse_window(window: str | None, now: float | None = None) -> float | None:
 
 
 def stored_records(store: StoreConfig, flt: RecordFilter, newest: int | None = None) -> tuple[list[TraceRecord], int]:
-    """(records passing the filter, oldest first, at most the `newest` ones; unreadable payloads skipped)."""
-    backend = open_backend(store, create=False)
-    keep: deque[TraceRecord] = deque(maxlen=newest)
-    unreadable = 0
-    try:
-        for e in backend.scan(flt.since, flt.until):
-            try:
-                if e.payload is None:
-                    raise CorruptRecordError("payload lost")
-                rec = decode_record(e.payload)
-            except (CorruptRecordError, SchemaVersionError):
-                unreadable += 1
-                continue
-            if flt.matches(rec):
-                keep.append(rec)
-    finally:
-        backend.close()
-    return list(keep), unreadable
+    """(records passing the filter, oldest first, at most the `newest` ones; how many payloads were skipped as
+    unreadable): `scan_records` as a pair, for callers that want only the records and the count."""
+    found = scan_records(store, flt, newest)
+    return found.records, found.unreadable
 
 
 def load_named_head(name: str, target: Target, registry: str | None):
@@ -74,12 +58,13 @@ def replay_store(heads: Sequence[str], store: StoreConfig, *, registry: str | No
                  target: Target | str | None = None, progress=None) -> tuple[ReplayReport, dict]:
     """Replay every head on the same stored records. Returns (report, facts about the records)."""
     flt = RecordFilter(since=parse_window(window), domains=frozenset(domains) if domains else None)
-    records, unreadable = stored_records(store, flt, newest)
+    found = scan_records(store, flt, newest)
+    records = found.records
     if not isinstance(target, Target):
         target = load_target(target or _target_name(heads[0], registry), purpose="train")
     loaded = {name: load_named_head(name, target, registry) for name in heads}
     report = replay_heads(loaded, records, target, tree, progress)
-    facts = {"records": len(records), "unreadable": unreadable, "window": window,
+    facts = {"records": len(records), "unreadable": found.unreadable, "window": window,
              "first": min((r.created_at for r in records), default=None),
              "last": max((r.created_at for r in records), default=None)}
     return report, facts

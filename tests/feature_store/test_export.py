@@ -66,3 +66,12 @@ def test_jsonl_is_specforge_style_with_token_turns(filled, tmp_path):
         assert [t["role"] for t in line["conversations"]] == ["user", "assistant"]
         assert sum((t["token_ids"] for t in line["conversations"]), []) == list(rec.input_ids)
         assert line["loss_mask"] == list(rec.loss_mask)
+
+
+def test_export_skips_and_counts_payloads_of_an_unknown_schema_major(filled, tmp_path):
+    from tests.feature_store.test_schema import _with_version
+
+    b, recs = filled
+    b.append([_with_version(recs[0], "2.0")])
+    res = export_jsonl(b, tmp_path / "x.jsonl")
+    assert (res.records, res.corrupt, res.refused) == (7, 1, 1)

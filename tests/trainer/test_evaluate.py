@@ -53,3 +53,23 @@ def test_eval_head_on_a_mistyped_store_fails_and_creates_nothing(tmp_path):
     res = CliRunner().invoke(app, ["eval-head", "v1", "--root", str(missing)])
     assert res.exit_code != 0 and "no feature store here" in res.output
     assert not missing.exists()
+
+
+def test_eval_head_refuses_a_bad_store_config_file(tmp_path):
+    bad = tmp_path / "store.json"
+    bad.write_text('{"backend": "local"}')  # no local_root
+    res = CliRunner().invoke(app, ["eval-head", "v1", "--store-config", str(bad)])
+    assert res.exit_code == 2 and "bad store config" in res.output
+
+
+def test_evaluation_reads_the_store_only_through_the_readers_scan():
+    """trainer/evaluate.py opens no backend and decodes no payload itself: feature_store.reader.scan_records does."""
+    import ast
+    from pathlib import Path
+
+    import trainer.evaluate
+
+    tree = ast.parse(Path(trainer.evaluate.__file__).read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "feature_store.reader" in modules
+    assert not modules & {"feature_store.backend", "feature_store.schema", "feature_store.cli"}
