@@ -154,7 +154,7 @@ def test_nearline_trainer_with_two_workers_trains_checkpoints_and_writes_a_candi
         assert tr.registry.version(name).training["trainer"] == "nearline"
         # a champion change reaches the workers too: the next step starts from the new champion
         tr.registry.set_champion(name, expect="v1")
-        assert tr.follow_champion() and not tr._pushed
+        assert tr.follow_champion() and not tr.learner.pushed
     finally:
         tr.close()
     assert any("data-parallel step on 2 Ray Train workers" in e for e in tr.events)
