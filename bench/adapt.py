@@ -72,10 +72,9 @@ from feature_store.config import StoreConfig  # noqa: E402
 from feature_store.writer import StoreWriter, write_records  # noqa: E402
 from trainer import data as D  # noqa: E402
 from trainer.config import NearlineConfig  # noqa: E402
-from trainer.evaluate import stored_records  # noqa: E402
 from trainer.nearline import NearlineTrainer  # noqa: E402
 from trainer.offline import batches, make_ttt_batch, shuffled  # noqa: E402
-from feature_store.reader import RecordFilter  # noqa: E402
+from feature_store.reader import RecordFilter, scan_records  # noqa: E402
 from trainer.replay import TreeParams, replay_heads  # noqa: E402
 from trainer.step import StepConfig, WarmupCosine, adamw, train_step  # noqa: E402
 from trainer.traffic import make_traffic_batch, row_from_record  # noqa: E402
@@ -103,7 +102,7 @@ def captured(target, head_dir: Path, sets: dict[str, tuple[str, str, int]], max_
                             fsync=False)
         recs = []
         if Path(store.local_root, "segments").is_dir():
-            recs, _ = stored_records(store, RecordFilter())
+            recs = scan_records(store, RecordFilter()).records
         if len(recs) != len(ps):
             log(f"decoding {len(ps)} {domain} prompts ({split} split) with capture on ...")
             t0 = time.time()
@@ -262,7 +261,7 @@ def session_records(target, head_dir: Path, split: str, n: int, max_tokens: int,
                             fsync=False)
         done = Path(store.local_root, "complete")
         if done.exists():
-            got, _ = stored_records(store, RecordFilter())
+            got = scan_records(store, RecordFilter()).records
             recs.extend(sorted(got, key=lambda r: len(r.input_ids)))  # a session's turns grow: store order may not
             continue
         if engine is None:

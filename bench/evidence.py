@@ -41,12 +41,11 @@ from adaptive_eagle.cli import SHIPPED_HEAD  # noqa: E402
 from adaptive_eagle.registry import HeadRegistry  # noqa: E402
 from adaptive_eagle.targets import load_target  # noqa: E402
 from feature_store.config import StoreConfig  # noqa: E402
-from feature_store.reader import RecordFilter  # noqa: E402
+from feature_store.reader import RecordFilter, scan_records  # noqa: E402
 from feature_store.writer import write_records  # noqa: E402
 from policies.gates import CONTINUE, PROMOTE, offline_gate, sequential_offline_gate  # noqa: E402
 from loop.candidates import CandidateFeed  # noqa: E402
 from trainer.config import NearlineConfig  # noqa: E402
-from trainer.evaluate import stored_records  # noqa: E402
 from trainer.nearline import NearlineTrainer  # noqa: E402
 
 
@@ -139,7 +138,8 @@ def main() -> None:
     if not (args.store / "segments").is_dir():
         ap.error(f"--store {args.store}: not a local store (no segments/ directory)")
     store = StoreConfig(backend="local", local_root=str(args.store), fsync=False)
-    records, unreadable = stored_records(store, RecordFilter())
+    scan = scan_records(store, RecordFilter())
+    records, unreadable = scan.records, scan.unreadable
     records.sort(key=lambda r: r.created_at)
     if not records:
         ap.error(f"--store {args.store}: no records")

@@ -37,3 +37,14 @@ def ray_session():
              _system_config={"worker_niceness": 0})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: one intra-op thread (two spin against each other on a shared 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,5 +1,5 @@
-"""TrainerActor: the thin Ray shell around one NearlineTrainer (all logic lives in nearline.py, which
-tests drive without Ray).
+"""TrainerActor: the thin Ray shell around one NearlineTrainer (all logic lives in nearline.py and the role
+modules it composes: ingest, learner, candidates, checkpointing; tests drive them without Ray).
 
 Owns: building the trainer inside the actor's process, running its loop on a thread of its own
 from the moment the actor starts (so an actor that Ray restarts after a crash, `max_restarts`,

@@ -31,7 +31,11 @@ class NearlineConfig(BaseModel):
     positions: Literal["generated", "all"] = Field(
         "generated", description="train where the target produced the token (the distribution drafts are judged "
         "on), or on the prompt's positions too (more rows, but the target's guess at a user's next word)")
-    max_len: int = Field(1024, ge=16, le=32768, description="tokens per record (longer ones are truncated)")
+    max_len: int = Field(8192, ge=16, le=32768, description=(
+        "tokens per record (longer ones are cut): agents' long sessions train at the length they are served "
+        "(a trainer capped at 1,024 lost 7% accept length past 1k tokens); TTT's attention is chunked, so "
+        "memory grows linearly (about 5 GiB for an 8k-token row on a CPU); a row past batch_tokens is a "
+        "batch of its own"))
     batch_tokens: int = Field(4096, ge=64, description="padded tokens per batch")
     min_fresh_tokens: int = Field(1024, ge=1, description="new-traffic tokens that make a batch worth a step")
     max_fresh_age_s: float = Field(300.0, gt=0, description=(

@@ -17,7 +17,6 @@ from typing import Sequence
 from adaptive_eagle.checkpoint import load_head
 from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.targets import Target, load_target
-from adaptive_eagle.trace import TraceRecord
 from feature_store.config import StoreConfig
 from feature_store.reader import RecordFilter, scan_records
 from trainer.replay import ReplayReport, TreeParams, replay_heads
@@ -34,13 +33,6 @@ def parse_window(window: str | None, now: float | None = None) -> float | None:
     if not m:
         raise ValueError(f"window {window!r}: use a number and a unit s, m, h or d (e.g. 30m, 6h, 2d)")
     return (now if now is not None else time.time()) - float(m.group(1)) * _UNITS[m.group(2)]
-
-
-def stored_records(store: StoreConfig, flt: RecordFilter, newest: int | None = None) -> tuple[list[TraceRecord], int]:
-    """(records passing the filter, oldest first, at most the `newest` ones; how many payloads were skipped as
-    unreadable): `scan_records` as a pair, for callers that want only the records and the count."""
-    found = scan_records(store, flt, newest)
-    return found.records, found.unreadable
 
 
 def load_named_head(name: str, target: Target, registry: str | None):
@@ -76,4 +68,4 @@ def _target_name(head: str, registry: str | None) -> str:
     return load_head(head).meta.target_name
 
 
-__all__ = ["load_named_head", "parse_window", "replay_store", "stored_records"]
+__all__ = ["load_named_head", "parse_window", "replay_store"]

@@ -145,6 +145,19 @@ class Intake:
         """n records drawn from the replay buffer, domains weighted by the drift monitor."""
         return [decode_record(p) for _, p in self.buffer.sample(n, self.drift.weights())]
 
+    def replay_beside(self, fresh: list[TraceRecord], n: int) -> list[TraceRecord]:
+        """Up to n replay records to train beside `fresh` ones, the batch's padded size (every row pads to the
+        longest) kept within batch_tokens: a drawn record too long to fit is left out of this batch (it stays
+        in the buffer). Without this, one long session drawn beside short rows would pad them all to its length."""
+        longest = max((min(len(r.input_ids), self.cfg.max_len) for r in fresh), default=0)
+        out: list[TraceRecord] = []
+        for rec in self.replay(n):
+            m = min(len(rec.input_ids), self.cfg.max_len)
+            if max(longest, m) * (len(fresh) + len(out) + 1) <= self.cfg.batch_tokens:
+                out.append(rec)
+                longest = max(longest, m)
+        return out
+
     def replay_batch(self) -> list[TraceRecord]:
         """Buffer records filling one batch (padded tokens <= batch_tokens), domains drawn by drift weight."""
         out: list[TraceRecord] = []

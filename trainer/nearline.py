@@ -283,7 +283,7 @@ class NearlineTrainer:
         fresh = self.intake.take_fresh() if kind == "fresh" else []
         self._test([r for _, r in fresh])
         if fresh:
-            replayed = self.intake.replay(replay_rows(len(fresh), self.cfg.replay_ratio))
+            replayed = self.intake.replay_beside([r for _, r in fresh], replay_rows(len(fresh), self.cfg.replay_ratio))
         else:  # idle: another pass over earlier traffic
             replayed = self.intake.replay_batch()
         rows = self.learner.rows([r for _, r in fresh] + replayed)

@@ -24,7 +24,8 @@ group, gloo or NCCL, and the workers' gradients are summed, not averaged: each h
 loss). No DDP wrapper; the same load/step/state protocol, and every worker reports the whole batch's statistics.
 
 Owns: the worker loop, the message protocol (per-rank inbox queues, one outbox), shard assignment,
-merging the workers' statistics. Must not touch: the store, checkpoints, candidates (nearline.py).
+merging the workers' statistics. Must not touch: the store (ingest.py), checkpoints (checkpointing.py),
+candidates (candidates.py).
 """
 
 from __future__ import annotations

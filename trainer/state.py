@@ -3,7 +3,7 @@
 Owns: the on-disk layout every training loop resumes from (`head.safetensors` without the frozen
 embedding, `optimizer.safetensors` with the AdamW moments, `trainer.json` with the head config,
 the optimizer's param groups and whatever the loop adds). The caller decides where and when
-(offline.py and nearline.py write it inside an atomic staging directory). Must not touch: data,
+(offline.py and the near-line trainer's checkpointing.py write it inside an atomic staging directory). Must not touch: data,
 the registry, the store.
 """
 

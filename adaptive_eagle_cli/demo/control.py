@@ -117,12 +117,11 @@ class StepCounts:
 
 def replay_frozen(store_config, results: Sequence[RequestResult], target, head, engine_params: dict) -> dict:
     """request_id -> StepCounts: each request's captured trace, and the frozen head replayed on it."""
-    from feature_store.reader import RecordFilter
-    from trainer.evaluate import stored_records
+    from feature_store.reader import RecordFilter, scan_records
     from trainer.replay import TreeParams, replay_heads
 
     wanted = {r.request_id for r in results if r.ok}
-    records, _ = stored_records(store_config, RecordFilter())
+    records = scan_records(store_config, RecordFilter()).records
     records = {r.request_id: r for r in records if r.request_id in wanted}
     tree = TreeParams(engine_params["depth"], engine_params["topk"], engine_params["num_draft_tokens"])
     # the store keeps hidden states with a lossy codec (int8 blocks); one target prefill per record gives

@@ -214,15 +214,6 @@ def tiny_target_dir(path: Path, tok) -> Path:
     return path
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: one intra-op thread (two spin against each other on a shared 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_pack_receive_and_train_on_cpu_writes_a_loadable_head(tmp_path, monkeypatch, one_thread):
     from adaptive_eagle.checkpoint import load_head
     from adaptive_eagle.targets import cached_fingerprint, load_target

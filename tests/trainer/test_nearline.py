@@ -5,6 +5,7 @@ rides out a store outage (degraded meanwhile) and ends its loop on any other err
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import torch
 import pytest
@@ -120,7 +121,9 @@ def test_the_replay_buffer_resumes_with_its_keys_and_a_checkpoint_from_before_ke
 
 
 def test_every_batch_keeps_the_replay_ratio(tmp_path, world):
-    cfg, target = setup_run(tmp_path, world, replay_ratio=0.5, batch_tokens=128)
+    # records of 28-36 tokens: the fresh half (80 padded tokens) takes two, and two replayed ones beside them
+    # keep the padded batch within batch_tokens (4 x 36 <= 160), so the ratio holds exactly
+    cfg, target = setup_run(tmp_path, world, replay_ratio=0.5, batch_tokens=160)
     tr = NearlineTrainer(cfg, target=target)
     tr.start()
     tr.poll()
@@ -130,6 +133,25 @@ def test_every_batch_keeps_the_replay_ratio(tmp_path, world):
         tr.train_once(force=True)
         compositions.append(tr.last_batch)
     assert compositions and all(c["replay"] == c["fresh"] for c in compositions)
+
+
+def test_a_long_replay_record_is_left_out_rather_than_pad_a_batch_past_batch_tokens(tmp_path, world):
+    """Every row pads to the batch's longest: a long session drawn for replay beside short fresh rows would
+    pad them all to its length (8k tokens each at the default max_len). It waits in the buffer instead."""
+    cfg, target = setup_run(tmp_path, world, batch_tokens=128)
+    tr = NearlineTrainer(cfg, target=target)
+
+    def rec(n):
+        return SimpleNamespace(input_ids=(1,) * n)
+
+    tr.intake.replay = lambda n: [rec(100), rec(30), rec(40)][:n]
+    got = tr.intake.replay_beside([rec(30), rec(30)], 3)  # 100: 3 rows x 100 > 128; 30: 3 x 30; 40: 4 x 40 > 128
+    assert [len(r.input_ids) for r in got] == [30]
+    assert tr.intake.replay_beside([rec(20)], 1) == []  # 2 rows x 100 > 128
+    assert [len(r.input_ids) for r in tr.intake.replay_beside([rec(20)], 2)] == [30]
+    capped = NearlineTrainer(cfg.model_copy(update={"max_len": 64}), target=target)
+    capped.intake.replay = tr.intake.replay
+    assert [len(r.input_ids) for r in capped.intake.replay_beside([rec(20)], 1)] == [100]  # cut to 64: 2 x 64 fits
 
 
 def test_records_cut_before_their_first_generated_token_are_counted_and_not_trained(tmp_path, world):

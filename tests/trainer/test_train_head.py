@@ -38,14 +38,6 @@ def recipe(world, **kw) -> TrainHeadConfig:
     return TrainHeadConfig(**base)
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_train_head_saves_a_loadable_head_and_resumes_its_run(world, tmp_path, one_thread):
     cfg = recipe(world)
     logs: list[str] = []
