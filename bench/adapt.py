@@ -139,7 +139,8 @@ def score(head, target, records, tree: TreeParams) -> float:
 def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path, budget_min: float, positions: str,
                  evals: int, eval_fn, log, lr: float, max_passes: float,
                  max_len: int = NearlineConfig.model_fields["max_len"].default) -> tuple[object, list, dict]:
-    """Fine-tune with NearlineTrainer for budget_min CPU-minutes; eval_fn(head) at `evals` points."""
+    """Fine-tune with NearlineTrainer for budget_min CPU-minutes; eval_fn(head) at `evals` points (None: no
+    curve, only the progress of training is logged)."""
     reg = HeadRegistry.create(work / "registry")
     shipped = load_head(head_dir)
     reg.add(head_dir)
@@ -153,15 +154,17 @@ def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path,
     tr.start()
     while tr.poll():
         pass
-    curve, spent, next_eval = [(0.0, eval_fn(tr.head))], 0.0, budget_min / evals
+    curve, spent, next_eval = ([(0.0, eval_fn(tr.head))] if eval_fn else []), 0.0, budget_min / evals
     while spent < budget_min:
         t0 = cpu_seconds()
         if tr.train_once(force=bool(tr.fresh)) is None:
             break
         spent += (cpu_seconds() - t0) / 60
         if spent >= next_eval - 1e-9:
-            curve.append((spent, eval_fn(tr.head)))
-            log(f"  {spent:5.2f} CPU-min  {tr.counters['tokens_trained']:7d} tokens  accept length {curve[-1][1]:.3f}")
+            if eval_fn:
+                curve.append((spent, eval_fn(tr.head)))
+            scored = f"  accept length {curve[-1][1]:.3f}" if eval_fn else ""
+            log(f"  {spent:5.2f} CPU-min  {tr.counters['tokens_trained']:7d} tokens{scored}")
             next_eval += budget_min / evals
     return tr.head, curve, {"tokens_trained": tr.counters["tokens_trained"], "tokens_received":
                             tr.counters["tokens_received"], "steps": tr.counters["steps"]}
@@ -336,7 +339,7 @@ def long_workload(args, target, log) -> None:
     for label, max_len in runs.items():
         log(f"{label}: {args.minutes} CPU-min, max_len {max_len}")
         head, _, info = nearline_run(target, args.head, train, work / f"max{max_len}", args.minutes, args.positions,
-                                     1, lambda h: 0.0, log, args.lr, args.max_passes, max_len=max_len)
+                                     1, None, log, args.lr, args.max_passes, max_len=max_len)
         rows[label] = by_position(head, target, held, tree)
         infos[label] = info
     labels = list(rows)
