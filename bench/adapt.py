@@ -138,7 +138,9 @@ def score(head, target, records, tree: TreeParams) -> float:
 # ---- (b), (d): the near-line trainer from a store of captured traffic ----------------------------------
 def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path, budget_min: float, positions: str,
                  evals: int, eval_fn, log, lr: float, max_passes: float,
-                 max_len: int = NearlineConfig.model_fields["max_len"].default) -> tuple[object, list, dict]:
+                 max_len: int = NearlineConfig.model_fields["max_len"].default,
+                 max_loss_rows: int | None = NearlineConfig.model_fields["max_loss_rows"].default,
+                 ) -> tuple[object, list, dict]:
     """Fine-tune with NearlineTrainer for budget_min CPU-minutes; eval_fn(head) at `evals` points (None: no
     curve, only the progress of training is logged)."""
     reg = HeadRegistry.create(work / "registry")
@@ -149,6 +151,7 @@ def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path,
     write_records(store, records)
     cfg = NearlineConfig(registry=str(work / "registry"), work_dir=str(work / "trainer"), store=store,
                          positions=positions, lr=lr, max_passes=max_passes, heldout_percent=1, max_len=max_len,
+                         max_loss_rows=max_loss_rows,
                          candidate_every_tokens=10**9, min_candidate_tokens=1, checkpoint_every_s=10**6)
     tr = NearlineTrainer(cfg, target=target)
     tr.start()
@@ -245,16 +248,19 @@ LONG_EDGE = 1024  # "long" positions: at or past this many tokens of context
 
 
 def session_records(target, head_dir: Path, split: str, n: int, max_tokens: int, min_chars: int, max_turns: int,
-                    log) -> list:
-    """Every turn's TraceRecord of `n` long sessions (bench/sessions.py) of a ShareGPT split, replayed through
+                    log, skip: int = 0) -> list:
+    """Every turn's TraceRecord of `n` long sessions (bench/sessions.py) of a ShareGPT split, the ones after
+    the split's first `skip` (sessions are built in order, so the first `skip` are those a run with
+    n = skip reads, and no others), replayed through
     the reference engine with capture on (greedy, the shipped head), each turn carrying the whole history with
     the target's own answers. Each session is cached in its own local store (the store's default codec) under
     the cache dir, keyed by its text, so a larger --sessions replays only the sessions not yet cached."""
     from bench.sessions import build_sessions, replay
 
     loaded = load_head(head_dir, target)
-    sessions = build_sessions(D.select(D.load_sharegpt(), split=split), n, min_chars=min_chars,
+    sessions = build_sessions(D.select(D.load_sharegpt(), split=split), skip + n, min_chars=min_chars,
                               max_turns=max_turns, answer_chars=4 * max_tokens)
+    sessions = [s for s in sessions if int(s.id.rsplit("-", 1)[1]) >= skip]  # ids "<kind>-<build index>"
     context = target.config.max_position_embeddings - EngineConfig().num_draft_tokens - 1 - max_tokens
     engine, recs, t0 = None, [], time.time()
     for si, sess in enumerate(sessions):
@@ -286,7 +292,7 @@ def session_records(target, head_dir: Path, split: str, n: int, max_tokens: int,
         writer.close()
         done.write_text(json.dumps({"session": sess.id, "records": len(mine)}))
         recs.extend(mine)
-        log(f"  session {si + 1}/{n} ({sess.kind}): {len(sent)} turns, last context "
+        log(f"  session {si + 1}/{len(sessions)} ({sess.kind}): {len(sent)} turns, last context "
             f"{len(mine[-1].input_ids) if mine else 0} tokens, {time.time() - t0:.0f} s")
     return recs
 
@@ -326,7 +332,7 @@ def long_workload(args, target, log) -> None:
     train = session_records(target, args.head, "train", args.sessions, args.max_tokens, args.session_chars,
                             args.session_turns, log)
     held = session_records(target, args.head, "heldout", args.heldout_sessions, args.max_tokens, args.session_chars,
-                           args.session_turns, log)
+                           args.session_turns, log, skip=args.heldout_from)
     codec = StoreConfig.model_fields["codec"].default
     bpt = store_bytes_per_token(held, codec)
     tree = TreeParams()
@@ -339,7 +345,8 @@ def long_workload(args, target, log) -> None:
     for label, max_len in runs.items():
         log(f"{label}: {args.minutes} CPU-min, max_len {max_len}")
         head, _, info = nearline_run(target, args.head, train, work / f"max{max_len}", args.minutes, args.positions,
-                                     1, None, log, args.lr, args.max_passes, max_len=max_len)
+                                     1, None, log, args.lr, args.max_passes, max_len=max_len,
+                                     max_loss_rows=args.max_loss_rows)
         rows[label] = by_position(head, target, held, tree)
         infos[label] = info
     labels = list(rows)
@@ -353,7 +360,8 @@ def long_workload(args, target, log) -> None:
     summary = {
         "workload": "long", "machine_threads": torch.get_num_threads(), "minutes": args.minutes, "lr": args.lr,
         "positions": args.positions, "max_tokens": args.max_tokens,
-        "sessions": {"train": args.sessions, "heldout": args.heldout_sessions},
+        "sessions": {"train": args.sessions, "heldout": args.heldout_sessions, "heldout_from": args.heldout_from},
+        "max_loss_rows": args.max_loss_rows,
         "records": {"train": len(train), "heldout": len(held)},
         "tokens": {"train": sum(len(r.input_ids) for r in train), "heldout": sum(len(r.input_ids) for r in held)},
         "longest_context": max(len(r.input_ids) for r in held + train),
@@ -382,6 +390,8 @@ def main() -> None:
                     help="learning rate of (b), (c) and (d) (default: the trainer's)")
     ap.add_argument("--max-passes", type=float, default=NearlineConfig.model_fields["max_passes"].default,
                     help="passes over the captured records in (b) and (d) (default: the trainer's)")
+    ap.add_argument("--max-loss-rows", type=int, default=NearlineConfig.model_fields["max_loss_rows"].default,
+                    help="chains scored per TTT step in (b), (d) and (e) (default: the trainer's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens an answer (default: 128; long: 96)")
     ap.add_argument("--train", type=int, default=160, help="captured training records per domain")
     ap.add_argument("--heldout", type=int, default=32, help="held-out records per domain in each of the "
@@ -394,6 +404,8 @@ def main() -> None:
                     help="drift: English -> code traffic; long: long multi-turn agent sessions, by context position")
     ap.add_argument("--sessions", type=int, default=12, help="long: training sessions")
     ap.add_argument("--heldout-sessions", type=int, default=6, help="long: held-out sessions (never trained on)")
+    ap.add_argument("--heldout-from", type=int, default=0, help="long: score held-out sessions from this one on "
+                    "(sessions 0..K-1 are the reported ones; compare trainer settings on later ones)")
     ap.add_argument("--session-chars", type=int, default=24000,
                     help="long: context a session reaches in characters (about a quarter as many tokens)")
     ap.add_argument("--session-turns", type=int, default=10, help="long: most turns a session has")
@@ -405,6 +417,8 @@ def main() -> None:
         args.sessions, args.heldout_sessions, args.session_chars, args.session_turns = 2, 1, 6000, 6
     if not 0 < args.minutes <= 10:
         ap.error("--minutes must be in (0, 10]")
+    if args.heldout_from < 0 or args.max_loss_rows is not None and args.max_loss_rows < 1:
+        ap.error("--heldout-from >= 0; --max-loss-rows >= 1")
     if min(args.sessions, args.heldout_sessions, args.session_turns) < 1 or not 1000 <= args.session_chars <= 40000:
         ap.error("--sessions, --heldout-sessions and --session-turns >= 1; --session-chars in [1000, 40000]")
     if args.workload == "long":
@@ -442,7 +456,8 @@ def main() -> None:
     for positions in (["all", "generated"] if args.positions == "both" else [args.positions]):
         log(f"(b) near-line trainer on captured traffic, positions={positions}, {args.minutes} CPU-min")
         head_b, curve_b, info_b = nearline_run(target, args.head, drift, work / f"b-{positions}", args.minutes,
-                                               positions, args.evals, code_eval, log, args.lr, args.max_passes)
+                                               positions, args.evals, code_eval, log, args.lr, args.max_passes,
+                                               max_loss_rows=args.max_loss_rows)
         results[positions] = {"code_valid": curve_b[-1][1], "code": code_test_eval(head_b), "english": en_eval(head_b),
                               **info_b}
         curves[f"(b) near-line, captured traffic, {positions} positions"] = curve_b
@@ -455,7 +470,8 @@ def main() -> None:
     curves["(c) offline, ShareGPT code"] = curve_c
     log(f"(d) near-line trainer on captured English only, {args.minutes} CPU-min")
     head_d, _, info_d = nearline_run(target, args.head, traffic["english-train"], work / "d", args.minutes, best,
-                                     1, lambda h: 0.0, log, args.lr, args.max_passes)
+                                     1, lambda h: 0.0, log, args.lr, args.max_passes,
+                                     max_loss_rows=args.max_loss_rows)
     d_en = en_eval(head_d)
 
     gain_c = c_code - a_code

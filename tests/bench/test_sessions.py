@@ -34,6 +34,19 @@ def test_sessions_alternate_kinds_reach_their_size_and_are_deterministic():
     assert len(texts) == len(set(texts))  # no user turn is used twice
 
 
+def test_a_larger_build_keeps_the_smaller_ones_sessions():
+    """bench/adapt.py --heldout-from K scores the sessions a build of K + n holds past its first K: those must
+    be exactly the sessions a build of K never holds (the reported ones), whatever the shuffle."""
+    convs = [conv(i) for i in range(200)]
+    small = build_sessions(convs, 4, min_chars=3000, answer_chars=100)
+    large = build_sessions(convs, 8, min_chars=3000, answer_chars=100)
+    first = [s for s in large if int(s.id.rsplit("-", 1)[1]) < 4]
+    assert sorted(first, key=lambda s: s.id) == sorted(small, key=lambda s: s.id)
+    later = [s for s in large if int(s.id.rsplit("-", 1)[1]) >= 4]
+    texts = lambda sessions: {m["content"] for s in sessions for t in s.turns for m in t}  # noqa: E731
+    assert len(later) == 4 and not texts(later) & texts(small)
+
+
 def test_too_little_text_is_a_clear_error():
     with pytest.raises(ValueError, match="sessions of 50000 characters"):
         build_sessions([conv(i) for i in range(3)], 2, min_chars=50000, max_turns=1000)
