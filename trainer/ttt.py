@@ -253,7 +253,7 @@ def ttt_loss(
         row_accepted[j] = alive
         total = total + (decay**j) * ce + head.cfg.router_aux_loss_coef * out.aux_loss
         step_eligible.append(int(row_eligible[j].sum()))
-        step_loss.append(float(ce))
+        step_loss.append(float(ce.detach()))
         step_correct.append(int(hit.sum()))
         step_count.append(n)
         step_accept.append(int(alive.sum()))
