@@ -39,7 +39,9 @@ near-line trainer on the captured sessions at full length (max_len = the target'
 trainer capped at 1,024 tokens a record; equal CPU-minutes. Ends with one JSON line holding
 long_accept_length_shipped / _adapted / _capped (positions >= 1,024), long_gain_pct ((b) over (a)
 there), short_loss_pct ((a) over (b) below 1,024), the verify steps each rests on, the by-position
-table and the store's bytes per token (its default hidden-state codec).
+table and the store's bytes per token (its default hidden-state codec). Trainer settings (--lr, --positions,
+--max-loss-rows) are compared with --heldout-from K, which scores held-out sessions K.. instead: the
+reported sessions 0..N-1 (N <= K) are then never read by a choice.
 
 Ends with one JSON line: drift_accept_length_shipped, drift_accept_length_adapted,
 drift_accept_length_offline, drift_gain_fraction ((b-a)/(c-a)), english_loss_pct,
