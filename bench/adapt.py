@@ -262,7 +262,7 @@ def session_records(target, head_dir: Path, split: str, n: int, max_tokens: int,
     loaded = load_head(head_dir, target)
     sessions = build_sessions(D.select(D.load_sharegpt(), split=split), skip + n, min_chars=min_chars,
                               max_turns=max_turns, answer_chars=4 * max_tokens)
-    sessions = [s for s in sessions if int(s.id.rsplit("-", 1)[1]) >= skip]  # ids "<kind>-<build index>"
+    sessions = [s for s in sessions if s.index >= skip]
     context = target.config.max_position_embeddings - EngineConfig().num_draft_tokens - 1 - max_tokens
     engine, recs, t0 = None, [], time.time()
     for si, sess in enumerate(sessions):

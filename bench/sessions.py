@@ -39,6 +39,11 @@ class Session:
     system: str
     turns: tuple[tuple[dict, ...], ...]  # the messages each turn appends before the model answers
 
+    @property
+    def index(self) -> int:
+        """Build order (ids are "<kind>-<index>"): a build of n sessions holds indexes 0..n-1."""
+        return int(self.id.rsplit("-", 1)[1])
+
     def chars(self) -> int:
         return sum(len(m["content"]) for turn in self.turns for m in turn)
 

@@ -40,9 +40,9 @@ def test_a_larger_build_keeps_the_smaller_ones_sessions():
     convs = [conv(i) for i in range(200)]
     small = build_sessions(convs, 4, min_chars=3000, answer_chars=100)
     large = build_sessions(convs, 8, min_chars=3000, answer_chars=100)
-    first = [s for s in large if int(s.id.rsplit("-", 1)[1]) < 4]
+    first = [s for s in large if s.index < 4]
     assert sorted(first, key=lambda s: s.id) == sorted(small, key=lambda s: s.id)
-    later = [s for s in large if int(s.id.rsplit("-", 1)[1]) >= 4]
+    later = [s for s in large if s.index >= 4]
     texts = lambda sessions: {m["content"] for s in sessions for t in s.turns for m in t}  # noqa: E731
     assert len(later) == 4 and not texts(later) & texts(small)
 
