@@ -386,7 +386,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=6.0, help="training CPU-minutes per head (K <= 10)")
     ap.add_argument("--quick", action="store_true", help="small traffic sets and 1.5 minutes (a smoke run)")
-    ap.add_argument("--positions", choices=["all", "generated", "both"],
+    ap.add_argument("--positions", choices=["all", "generated", "new", "both"],
                     default=NearlineConfig.model_fields["positions"].default, help="default: the trainer's")
     ap.add_argument("--lr", type=float, default=NearlineConfig.model_fields["lr"].default,
                     help="learning rate of (b), (c) and (d) (default: the trainer's)")

@@ -28,9 +28,11 @@ class NearlineConfig(BaseModel):
     cold_start_records: int = Field(32, ge=1, description="records to collect before a head is built from scratch")
 
     # data
-    positions: Literal["generated", "all"] = Field(
+    positions: Literal["generated", "all", "new"] = Field(
         "generated", description="train where the target produced the token (the distribution drafts are judged "
-        "on), or on the prompt's positions too (more rows, but the target's guess at a user's next word)")
+        "on), or on the prompt's positions too (more rows, but the target's guess at a user's next word); 'new': "
+        "the prompt's too, but each prefix once (an agent's session re-sent every turn trains its history once, "
+        "not once a turn: trainer/traffic.py)")
     max_len: int = Field(8192, ge=16, le=32768, description=(
         "tokens per record (longer ones are cut): agents' long sessions train at the length they are served "
         "(a trainer capped at 1,024 lost 7% accept length past 1k tokens); TTT's attention is chunked, so "

@@ -26,7 +26,7 @@ from trainer.config import NearlineConfig
 from trainer.moe import MoEGrowth
 from trainer.scaleout import DataParallelStep
 from trainer.step import StepConfig, StepStats, WarmupCosine, adamw, train_step
-from trainer.traffic import TrafficRow, make_traffic_batch, row_from_record
+from trainer.traffic import PrefixOwners, TrafficRow, make_traffic_batch, row_from_record
 
 
 class Learner:
@@ -42,6 +42,8 @@ class Learner:
         # self.head yet, and whether self.head is behind the workers' weights
         self.data_parallel: DataParallelStep | None = None
         self.pushed = self.stale = False
+        self.prefixes = PrefixOwners()  # positions "new": which record first carried each prefix (about the traffic,
+        # not the head: kept when the head is replaced)
 
     def set_head(self, head: Eagle3DraftHead | None) -> None:
         """Train `head` from now on (None: no head yet), with a new optimizer over its parameters."""
@@ -51,7 +53,8 @@ class Learner:
 
     def rows(self, records: list[TraceRecord]) -> list[TrafficRow]:
         """Training rows of `records` for this head (its aux layers; cfg.positions, cut at cfg.max_len)."""
-        return [row_from_record(r, self.head.cfg.aux_layer_ids, self.cfg.positions, self.cfg.max_len) for r in records]
+        return [row_from_record(r, self.head.cfg.aux_layer_ids, self.cfg.positions, self.cfg.max_len, self.prefixes)
+                for r in records]
 
     def update(self, rows: list[TrafficRow], step: int, target: Target, target_spec: str | None,
                moe: MoEGrowth | None) -> tuple[StepStats, int, int]:

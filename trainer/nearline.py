@@ -290,8 +290,9 @@ class NearlineTrainer:
         cut = {r.request_id for r in rows if not r.trained_positions}  # e.g. a prompt longer than max_len
         if untrainable := sum(1 for r in rows if not r.trained_positions):
             rows = [r for r in rows if r.trained_positions]
-            self.counters["skipped"]["no_trained_position_within_max_len"] = (
-                self.counters["skipped"].get("no_trained_position_within_max_len", 0) + untrainable)
+            reason = ("no_new_position_within_max_len" if self.cfg.positions == "new"  # carried by earlier records
+                      else "no_trained_position_within_max_len")
+            self.counters["skipped"][reason] = self.counters["skipped"].get(reason, 0) + untrainable
         if self._step_fault is not None:
             message, self._step_fault = self._step_fault, None
             raise InjectedFault(message)

@@ -16,11 +16,18 @@ older schema; another aux layout) is regenerated with one batched target prefill
 Positions. "generated" trains where the target produced the token (the record's loss mask);
 "all" also trains on the prompt: the target's distribution is known there too (from the same
 prefill), and prompts carry much of a drifting domain (pasted code, documents, tool schemas).
-Position 0 is never a target (nothing predicts it).
+"new" is "all" with each prefix trained once: an agent re-sends its whole session every turn, so
+under "all" a ten-turn session trains its first turn ten times over (its early positions outweigh
+the late ones tenfold, at ten times the compute). Under "new" a record trains only the blocks of
+tokens it was the first to carry (`PrefixOwners`, keyed as a prefix cache keys its blocks); what an
+earlier turn carried is context, not a target. Position 0 is never a target (nothing predicts it).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -31,8 +38,8 @@ from adaptive_eagle.targets import Target
 from adaptive_eagle.trace import TraceRecord
 from trainer.ttt import TTTBatch
 
-Positions = Literal["generated", "all"]
-POSITIONS: tuple[str, ...] = ("generated", "all")
+Positions = Literal["generated", "all", "new"]
+POSITIONS: tuple[str, ...] = ("generated", "all", "new")
 
 
 @dataclass(frozen=True)
@@ -59,20 +66,64 @@ class TrafficRow:
         return self.aux is not None and self.final is not None
 
 
-def training_mask(record: TraceRecord, positions: Positions) -> tuple[int, ...]:
+class PrefixOwners:
+    """Which record first carried each prefix of tokens. A record's tokens are cut into blocks of `block`;
+    block i is keyed by a hash chained over blocks 0..i (so a key names the whole prefix up to it, as a
+    prefix cache keys its blocks), and owned by the first record (request id) that carried it. The same
+    record asking again (a replay, a later pass) owns the same blocks, so every prefix trains once a pass.
+    Bounded: the `capacity` most recently carried blocks are kept; an evicted block goes to the next
+    record that carries it. In memory only: after a restart the first record to carry a block owns it."""
+
+    def __init__(self, block: int = 32, capacity: int = 1 << 18) -> None:
+        if block < 1 or capacity < 1:
+            raise ValueError(f"block {block}, capacity {capacity}: both must be >= 1")
+        self.block, self.capacity = block, capacity
+        self._owner: OrderedDict[bytes, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._owner)
+
+    def owned(self, request_id: str, input_ids: Sequence[int]) -> list[bool]:
+        """Per block of `input_ids` (the last one may be partial): whether `request_id` owns it. Blocks no
+        record holds yet become its own."""
+        out, key = [], b""
+        for i in range(0, len(input_ids), self.block):
+            key = hashlib.blake2b(key + array("q", input_ids[i: i + self.block]).tobytes(), digest_size=16).digest()
+            owner = self._owner.get(key)
+            if owner is None:
+                self._owner[key] = owner = request_id
+                if len(self._owner) > self.capacity:
+                    self._owner.popitem(last=False)
+            else:
+                self._owner.move_to_end(key)
+            out.append(owner == request_id)
+        return out
+
+
+def training_mask(record: TraceRecord, positions: Positions, prefixes: PrefixOwners | None = None,
+                  max_len: int | None = None) -> tuple[int, ...]:
+    """1 where the record's token (within its first max_len) is a training target under `positions`;
+    "new" needs the trainer's `prefixes`."""
+    ids = record.input_ids[:max_len]
     if positions == "generated":
-        return tuple(record.loss_mask)
+        return tuple(record.loss_mask[:max_len])
     if positions == "all":
-        return (0,) + (1,) * (len(record.input_ids) - 1)
+        return (0,) + (1,) * (len(ids) - 1)
+    if positions == "new":
+        if prefixes is None:
+            raise ValueError('positions "new" needs the PrefixOwners that tracks which record first carried each prefix')
+        owned = prefixes.owned(record.request_id, ids)
+        return (0,) + tuple(int(owned[t // prefixes.block]) for t in range(1, len(ids)))
     raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
 
 
 def row_from_record(record: TraceRecord, aux_layer_ids: Sequence[int], positions: Positions = "all",
-                    max_len: int = 1024) -> TrafficRow:
+                    max_len: int = 1024, prefixes: PrefixOwners | None = None) -> TrafficRow:
     """The record's first `max_len` tokens. Its captured features are used only when they were taken
-    at the head's aux layers and include the final hidden state; otherwise the row is regenerated."""
+    at the head's aux layers and include the final hidden state; otherwise the row is regenerated.
+    `prefixes`: the trainer's PrefixOwners (positions "new")."""
     n = min(len(record.input_ids), max_len)
-    mask = training_mask(record, positions)[:n]
+    mask = training_mask(record, positions, prefixes, n)
     aux = final = None
     usable = (record.aux_hidden is not None and record.final_hidden is not None
               and tuple(record.aux_layer_ids) == tuple(aux_layer_ids))
@@ -153,5 +204,5 @@ def make_traffic_batch(target: Target, head: Eagle3DraftHead, rows: Sequence[Tra
                         tuple(r.domain for r in rows))
 
 
-__all__ = ["POSITIONS", "Positions", "TrafficBatch", "TrafficRow", "collate_rows", "features",
+__all__ = ["POSITIONS", "Positions", "PrefixOwners", "TrafficBatch", "TrafficRow", "collate_rows", "features",
            "make_traffic_batch", "regenerate", "row_from_record", "training_mask"]

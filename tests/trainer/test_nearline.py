@@ -176,6 +176,27 @@ def test_records_cut_before_their_first_generated_token_are_counted_and_not_trai
     assert any(not torch.equal(a, b) for a, b in zip(before, tr.head.parameters()))  # the short ones trained
 
 
+def test_new_positions_skip_a_record_whose_every_position_an_earlier_one_carried(tmp_path, world):
+    target, head, records = world
+    engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False, calibration_dir=""), head_version="v1")
+    engine.eos_ids = set()
+    first = engine.generate([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=24), capture=True, request_id="t0").trace
+    # a turn that resends the first one's whole record and adds its own, then a retry of the first request
+    second = engine.generate(list(first.input_ids) + [7, 7, 7], SamplingParams(max_tokens=8), capture=True,
+                             request_id="t1").trace
+    retry = first.__class__(**{**first.__dict__, "request_id": "t0-retry"})
+    cfg, target = setup_run(tmp_path, (target, head, [first, second, retry]), positions="new", heldout_percent=1,
+                            min_fresh_tokens=1)
+    assert not any(is_heldout(r.request_id, 1) for r in (first, second, retry))
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    while tr.fresh:
+        tr.train_once(force=True)
+    assert tr.counters["skipped"] == {"no_new_position_within_max_len": 1}  # the retry: nothing new in it
+    assert len(tr.buffer) == 2  # and it is not replayed
+
+
 def test_idle_trainer_makes_more_passes_over_the_buffer_up_to_its_budget(tmp_path, world):
     cfg, target = setup_run(tmp_path, world, max_passes=2.0)
     tr = NearlineTrainer(cfg, target=target)

@@ -8,7 +8,7 @@ from adaptive_eagle.trace import SamplingParams
 from feature_store.schema import decode_record, encode_record
 from tests.adaptive_eagle.test_engine import tiny_setup
 from trainer.step import StepConfig, adamw, train_step
-from trainer.traffic import make_traffic_batch, row_from_record, training_mask
+from trainer.traffic import PrefixOwners, make_traffic_batch, row_from_record, training_mask
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +82,51 @@ def test_batches_carry_one_domain_tag_per_row(setup):
     tagged = [recs[0].__class__(**{**recs[0].__dict__, "domain": "code"}), recs[1]]
     tb = make_traffic_batch(target, head, [row_from_record(r, head.cfg.aux_layer_ids) for r in tagged])
     assert tb.domains == ("code", None) and len(tb.domains) == tb.batch.input_ids.shape[0]
+
+
+def _turns(n: int, turn: int = 50, seed: int = 0) -> list:
+    """A session's records as an agent sends them: record k carries records 0..k-1's tokens, then its own."""
+    from adaptive_eagle.trace import TraceRecord
+
+    g = torch.Generator().manual_seed(seed)
+    ids, out = [], []
+    for k in range(n):
+        ids = ids + torch.randint(1, 30, (turn,), generator=g).tolist()
+        out.append(TraceRecord(request_id=f"s{seed}-t{k}", target_fingerprint="t", head_version=None,
+                               backend="reference", input_ids=tuple(ids), loss_mask=(0,) * (len(ids) - 10) + (1,) * 10))
+    return out
+
+
+def test_new_positions_train_a_resent_session_history_once():
+    owners = PrefixOwners(block=8)
+    turns = _turns(4)
+    masks = [training_mask(r, "new", owners) for r in turns]
+    assert masks[0] == (0,) + (1,) * 49  # the first record owns all of it
+    for k in range(1, 4):
+        # the earlier turns' positions are context; a record trains from the block its own turn starts in
+        start = (50 * k) // 8 * 8
+        assert masks[k] == (0,) * start + (1,) * (50 * (k + 1) - start)
+    assert [training_mask(r, "new", owners) for r in turns] == masks  # a replay trains the same positions
+    # each position trains once, but for the boundary block a turn shares with the next: far fewer than "all"
+    trained = sum(map(sum, masks))
+    assert 199 <= trained <= 199 + 3 * 7 < sum(sum(training_mask(r, "all")) for r in turns) == 49 + 99 + 149 + 199
+    # the longest record sent first owns every block: the shorter ones then train only their last, partial block
+    first = PrefixOwners(block=8)
+    assert sum(training_mask(turns[3], "new", first)) == 199
+    assert [sum(training_mask(r, "new", first)) for r in turns[:3]] == [50 % 8, 100 % 8, 150 % 8]
+    # another session shares nothing, so it trains in full
+    assert sum(training_mask(_turns(1, seed=1)[0], "new", owners)) == 49
+
+
+def test_new_positions_need_the_owners_and_stay_bounded():
+    rec = _turns(1)[0]
+    with pytest.raises(ValueError, match='positions "new" needs the PrefixOwners'):
+        training_mask(rec, "new")
+    with pytest.raises(ValueError, match="block 0"):
+        PrefixOwners(block=0)
+    owners = PrefixOwners(block=8, capacity=4)
+    training_mask(rec, "new", owners, max_len=20)
+    assert len(owners) == 3  # blocks within max_len only
+    training_mask(_turns(1, seed=2)[0], "new", owners)
+    assert len(owners) == 4  # the least recently carried blocks are evicted
+    assert sum(training_mask(rec, "new", owners, max_len=20)) == 19  # evicted: owned again by the next carrier
