@@ -39,7 +39,8 @@ near-line trainer on the captured sessions at full length (max_len = the target'
 trainer capped at 1,024 tokens a record; equal CPU-minutes. Ends with one JSON line holding
 long_accept_length_shipped / _adapted / _capped (positions >= 1,024), long_gain_pct ((b) over (a)
 there), short_loss_pct ((a) over (b) below 1,024), the verify steps each rests on, the by-position
-table and the store's bytes per token (its default hidden-state codec). Trainer settings (--lr, --positions,
+table, the store's bytes per token (its default hidden-state codec), and 90% intervals of the three gains
+with the held-out sessions resampled (what the session sample can settle). Trainer settings (--lr, --positions,
 --max-loss-rows) are compared with --heldout-from K, which scores held-out sessions K.. instead: the
 reported sessions 0..N-1 (N <= K) are then never read by a choice.
 
@@ -59,6 +60,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +79,7 @@ from trainer.config import NearlineConfig  # noqa: E402
 from trainer.nearline import NearlineTrainer  # noqa: E402
 from trainer.offline import batches, make_ttt_batch, shuffled  # noqa: E402
 from feature_store.reader import RecordFilter, scan_records  # noqa: E402
-from trainer.replay import TreeParams, replay_heads  # noqa: E402
+from trainer.replay import ReplayScore, TreeParams, replay_heads  # noqa: E402
 from trainer.step import StepConfig, WarmupCosine, adamw, train_step  # noqa: E402
 from trainer.traffic import make_traffic_batch, row_from_record  # noqa: E402
 
@@ -307,8 +309,50 @@ def store_bytes_per_token(records: list, codec: str) -> float:
     return total / max(1, sum(len(r.input_ids) for r in records))
 
 
+def replay_score(head, target, records, tree: TreeParams) -> ReplayScore:
+    return replay_heads({"h": head.float().eval()}, records, target, tree).scores["h"]
+
+
 def by_position(head, target, records, tree: TreeParams) -> list[dict]:
-    return replay_heads({"h": head.float().eval()}, records, target, tree).scores["h"].by_position()
+    return replay_score(head, target, records, tree).by_position()
+
+
+def session_of(request_id: str) -> str:
+    """A session turn's session: its request id (f"{split}-{session id}-{turn}") without the turn."""
+    return request_id.rsplit("-", 1)[0]
+
+
+def session_sums(score: ReplayScore, edge: int) -> dict[str, tuple[int, int, int, int]]:
+    """Per session: (tokens accepted, verify steps) at positions below `edge`, then at or past it."""
+    out: dict[str, list[int]] = {}
+    for r in score.records:
+        sums = out.setdefault(session_of(r.request_id), [0, 0, 0, 0])
+        if len(r.positions) != r.steps:  # replayed without positions: left out, as by_position does
+            continue
+        for p, a in zip(r.positions, r.accepted):
+            k = 2 if p >= edge else 0
+            sums[k] += a
+            sums[k + 1] += 1
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def bootstrap_gain(base: dict, other: dict, long: bool, n: int = 4000, level: float = 0.9,
+                   seed: int = 0) -> tuple[float, float]:
+    """`level` interval of the pooled accept-length gain (percent) of `other` over `base` at long (else short)
+    positions, sessions resampled with replacement; both heads are scored on the same resample (paired).
+    Held-out sessions differ more than heads do: this says what the session sample can settle."""
+    sessions = sorted(base)
+    k = 2 if long else 0
+    b = np.array([base[s][k: k + 2] for s in sessions], dtype=float)
+    o = np.array([other.get(s, (0, 0, 0, 0))[k: k + 2] for s in sessions], dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(sessions), (n, len(sessions)))
+    bs, os_ = b[idx].sum(1), o[idx].sum(1)  # [n, 2]: accepted, steps
+    ok = (bs[:, 1] > 0) & (os_[:, 1] > 0)
+    gain = 100 * ((1 + os_[ok, 0] / os_[ok, 1]) / (1 + bs[ok, 0] / bs[ok, 1]) - 1)
+    if not len(gain):
+        return float("nan"), float("nan")
+    lo, hi = np.quantile(gain, [(1 - level) / 2, (1 + level) / 2])
+    return round(float(lo), 2), round(float(hi), 2)
 
 
 def split_at(buckets: list[dict], edge: int) -> tuple[float, float, int, int]:
@@ -338,7 +382,7 @@ def long_workload(args, target, log) -> None:
     codec = StoreConfig.model_fields["codec"].default
     bpt = store_bytes_per_token(held, codec)
     tree = TreeParams()
-    rows = {"(a) shipped": by_position(load_head(args.head, target).head, target, held, tree)}
+    scores = {"(a) shipped": replay_score(load_head(args.head, target).head, target, held, tree)}
     log(f"{len(train)} training records ({sum(len(r.input_ids) for r in train)} tokens), {len(held)} held-out "
         f"records; {bpt:.0f} bytes a token in the store ({codec})")
     full_len = target.config.max_position_embeddings
@@ -349,14 +393,21 @@ def long_workload(args, target, log) -> None:
         head, _, info = nearline_run(target, args.head, train, work / f"max{max_len}", args.minutes, args.positions,
                                      1, None, log, args.lr, args.max_passes, max_len=max_len,
                                      max_loss_rows=args.max_loss_rows)
-        rows[label] = by_position(head, target, held, tree)
+        scores[label] = replay_score(head, target, held, tree)
         infos[label] = info
+    rows = {k: v.by_position() for k, v in scores.items()}
     labels = list(rows)
+    sums = [session_sums(scores[k], LONG_EDGE) for k in labels]
+    ci90 = {"long_gain_pct": bootstrap_gain(sums[0], sums[1], long=True),
+            "short_loss_pct": tuple(-x for x in reversed(bootstrap_gain(sums[0], sums[1], long=False))),
+            "long_gain_capped_pct": bootstrap_gain(sums[0], sums[2], long=True)}
     print()
     print(f"{'head':34s} " + " ".join(f"{b['bucket']:>9s}" for b in rows[labels[0]]))
     for label in labels:
         print(f"{label:34s} " + " ".join(f"{b['accept_length']:9.3f}" for b in rows[label]))
     print(f"{'verify steps':34s} " + " ".join(f"{b['steps']:9d}" for b in rows[labels[0]]))
+    print(f"90% intervals over the {len(sums[0])} held-out sessions (resampled): long gain {ci90['long_gain_pct']}, "
+          f"short loss {ci90['short_loss_pct']}, capped long gain {ci90['long_gain_capped_pct']} (percent)")
     (a_short, a_long, n_short, n_long), (b_short, b_long, _, _), (e_short, e_long, _, _) = (
         split_at(rows[k], LONG_EDGE) for k in labels)
     summary = {
@@ -376,6 +427,7 @@ def long_workload(args, target, log) -> None:
         "short_accept_length_shipped": round(a_short, 4), "short_accept_length_adapted": round(b_short, 4),
         "short_accept_length_capped": round(e_short, 4),
         "short_loss_pct": round(100 * (a_short - b_short) / a_short, 2),
+        "ci90_over_sessions": ci90,
         "store_bytes_per_token": round(bpt, 1), "store_codec": codec,
         "trainer": infos,
     }
