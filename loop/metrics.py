@@ -19,6 +19,8 @@ Metrics (every gauge; ages in seconds):
     ae_trainer_records_seen             records the trainer has read from the store
     ae_trainer_records_aged_to_replay   records that waited past trainer.max_fresh_age_s for a step (the trainer
                                         is behind the traffic) and went to the replay buffer instead
+    ae_trainer_rows_replayed            replay rows the trainer has trained (trainer.replay_ratio of the rows, on
+                                        long sessions paid by steps on replay alone)
     ae_trainer_restarts_total           trainer processes that replaced an earlier one (Ray restarted the actor
                                         after its process ended: a crash, a fatal loop error, a kill), counted
                                         from the first status with a new pid since the gateway started
@@ -254,6 +256,9 @@ class LoopCollector:
         yield GaugeMetricFamily("ae_trainer_records_aged_to_replay", "Records that waited longer than "
                                 "trainer.max_fresh_age_s for a step (the trainer is behind the traffic) and went to "
                                 "the replay buffer instead", value=float(t.get("aged_to_replay") or 0))
+        yield GaugeMetricFamily("ae_trainer_rows_replayed", "Replay rows the trainer has trained (trainer.replay_ratio "
+                                "of the rows; on long sessions paid by steps on replay alone)",
+                                value=float(t.get("rows_replayed") or 0))
         if s.trainer_enabled:
             yield CounterMetricFamily("ae_trainer_restarts", "Trainer processes that replaced an earlier one (Ray "
                                       "restarted the actor) since the gateway started", value=float(s.trainer_restarts))

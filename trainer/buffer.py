@@ -157,11 +157,12 @@ class ReplayBuffer(Generic[T]):
         self._enforce_caps()
 
 
-def replay_rows(fresh: int, ratio: float) -> int:
-    """Replay rows to add to `fresh` new rows so they make a `ratio` share of the batch."""
+def replay_rows(fresh: int, ratio: float) -> float:
+    """Replay rows owed beside `fresh` new rows so they make a `ratio` share of the rows trained (a fraction:
+    one long row alone owes a third of a row at ratio 0.25, paid once the fractions add up)."""
     if not 0 <= ratio < 1:
         raise ValueError(f"replay ratio must be in [0, 1), got {ratio}")
-    return round(fresh * ratio / (1 - ratio)) if fresh else 0
+    return fresh * ratio / (1 - ratio)
 
 
 __all__ = ["ReplayBuffer", "UNTAGGED", "replay_rows"]

@@ -23,7 +23,7 @@ from typing import Callable
 from adaptive_eagle.trace import TraceRecord
 from feature_store.reader import StoreReader
 from feature_store.schema import decode_record, encode_record
-from trainer.buffer import ReplayBuffer
+from trainer.buffer import ReplayBuffer, replay_rows
 from trainer.config import NearlineConfig
 from trainer.drift import DriftMonitor
 from trainer.moe import MoEGrowth
@@ -65,6 +65,9 @@ class Intake:
         self.seen_requests: deque[str] = deque(maxlen=SEEN_REQUESTS)
         self._seen_set: set[str] = set()
         self.read_at: dict[str, float] = {}  # delivery id -> unix s the fresh record was read (trainer latency)
+        # replay rows owed to the fresh rows trained (cfg.replay_ratio, counted over steps): what no batch had room
+        # for (a long session fills a batch alone) is paid by a step on replay alone
+        self.replay_owed = 0.0
 
     # ---- poll and route ------------------------------------------------------------------------------
     def poll(self, block_ms: int, fingerprint: str) -> int:
@@ -118,10 +121,11 @@ class Intake:
         return sum(min(len(r.input_ids), self.cfg.max_len) for _, r in self.fresh)
 
     def ready(self) -> str | None:
-        """What a step would train on now: "fresh", "replay" (idle: more passes over the buffer, within
-        max_passes of the tokens received), or None."""
+        """What a step would train on now: "fresh", "owed" (replay alone: the replay share the fresh batches had
+        no room for), "replay" (idle: more passes over the buffer, within max_passes of the tokens received), or
+        None."""
         if self.fresh and self.fresh_tokens() >= self.cfg.min_fresh_tokens:
-            return "fresh"
+            return "owed" if self.replay_owed >= 1 and len(self.buffer) else "fresh"
         budget = self.cfg.max_passes * self.counters["tokens_received"]
         if len(self.buffer) and self.counters["tokens_trained"] < budget:
             return "replay"
@@ -145,6 +149,18 @@ class Intake:
         """n records drawn from the replay buffer, domains weighted by the drift monitor."""
         return [decode_record(p) for _, p in self.buffer.sample(n, self.drift.weights())]
 
+    def replay_for(self, fresh: list[TraceRecord]) -> list[TraceRecord]:
+        """Replay rows beside `fresh` ones: the rows owed so far (cfg.replay_ratio of the fresh rows, fractions
+        carried over), as many as the batch has room for; the rest stay owed. Nothing is owed while the buffer is
+        empty (no earlier traffic to keep)."""
+        if not len(self.buffer):
+            return []
+        self.replay_owed += replay_rows(len(fresh), self.cfg.replay_ratio)
+        out = self.replay_beside(fresh, int(self.replay_owed))
+        self.replay_owed -= len(out)
+        self.counters["rows_replayed"] = self.counters.get("rows_replayed", 0) + len(out)
+        return out
+
     def replay_beside(self, fresh: list[TraceRecord], n: int) -> list[TraceRecord]:
         """Up to n replay records to train beside `fresh` ones, the batch's padded size (every row pads to the
         longest) kept within batch_tokens: a drawn record too long to fit is left out of this batch (it stays
@@ -159,7 +175,8 @@ class Intake:
         return out
 
     def replay_batch(self) -> list[TraceRecord]:
-        """Buffer records filling one batch (padded tokens <= batch_tokens), domains drawn by drift weight."""
+        """Buffer records filling one batch (padded tokens <= batch_tokens), domains drawn by drift weight; they
+        pay the replay rows owed (never below none owed)."""
         out: list[TraceRecord] = []
         longest = 0
         for rec in self.replay(64):
@@ -168,6 +185,8 @@ class Intake:
                 break
             out.append(rec)
             longest = max(longest, n)
+        self.replay_owed = max(0.0, self.replay_owed - len(out))
+        self.counters["rows_replayed"] = self.counters.get("rows_replayed", 0) + len(out)
         return out
 
     def age_out(self) -> list[TraceRecord]:

@@ -58,7 +58,7 @@ from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.versions import PLAIN
 from feature_store.backend import StoreUnavailable
 from feature_store.reader import StoreReader
-from trainer.buffer import ReplayBuffer, replay_rows
+from trainer.buffer import ReplayBuffer
 from trainer.candidates import CandidateWriter, candidate_latency, describe_latency
 from trainer.checkpointing import ResumeState, has_checkpoint, read_checkpoint, state_dir, write_checkpoint
 from trainer.config import NearlineConfig
@@ -108,6 +108,7 @@ class TrainerStatus:
     # first to train on, and where that time went (None: no candidate yet in this process)
     candidate_latency: dict | None = None
     aged_to_replay: int = 0  # records that waited past cfg.max_fresh_age_s and went to the replay buffer instead
+    rows_replayed: int = 0  # replay rows trained (beside fresh ones, owed, or idle passes)
     evidence: str = "heldout"  # how candidates are judged (cfg.evidence)
     gathering: list = None  # prequential: the snapshots gathering evidence (version, records, greedy, path)
     evidence_rows: int = 0  # prequential: evidence rows written by this process
@@ -120,7 +121,7 @@ def zero_counters() -> dict:
     """The trainer's counters at the start of training from a champion (checkpointed with the state)."""
     return {"records_seen": 0, "records_trained": 0, "tokens_trained": 0, "tokens_received": 0, "steps": 0,
             "duplicates": 0, "regenerated_rows": 0, "skipped": {}, "candidates": [], "window": None,
-            "aged_to_replay": 0}
+            "aged_to_replay": 0, "rows_replayed": 0}
 
 
 class NearlineTrainer:
@@ -264,7 +265,8 @@ class NearlineTrainer:
 
     # ---- one step ----------------------------------------------------------------------------------
     def ready(self) -> str | None:
-        """What the next step would train on: "fresh", "replay" (idle: more passes over the buffer), or None."""
+        """What the next step would train on: "fresh", "owed" (replay alone: the replay share long fresh rows left no
+        room for), "replay" (idle: more passes over the buffer), or None."""
         if self.head is None:
             return None
         return self.intake.ready()
@@ -277,14 +279,16 @@ class NearlineTrainer:
             if self.head is None:
                 return None
         self._test(self.intake.age_out())
-        kind = "fresh" if force and self.fresh else self.ready()
+        kind = self.ready()
+        if force and self.fresh and kind != "owed":
+            kind = "fresh"
         if kind is None:
             return None
         fresh = self.intake.take_fresh() if kind == "fresh" else []
         self._test([r for _, r in fresh])
         if fresh:
-            replayed = self.intake.replay_beside([r for _, r in fresh], replay_rows(len(fresh), self.cfg.replay_ratio))
-        else:  # idle: another pass over earlier traffic
+            replayed = self.intake.replay_for([r for _, r in fresh])
+        else:  # the replay share owed, or idle: another pass over earlier traffic
             replayed = self.intake.replay_batch()
         rows = self.learner.rows([r for _, r in fresh] + replayed)
         cut = {r.request_id for r in rows if not r.trained_positions}  # e.g. a prompt longer than max_len
@@ -513,6 +517,7 @@ class NearlineTrainer:
             moe=self.moe.status() if self.moe is not None else None, errors_total=self.errors_total,
             last_error=self.last_error, last_step_at=self.last_step_at, pid=os.getpid(),
             candidate_latency=self.candidates.last_latency, aged_to_replay=c.get("aged_to_replay", 0),
+            rows_replayed=c.get("rows_replayed", 0),
             evidence=self.cfg.evidence, gathering=self.book.status(), evidence_rows=self.book.rows_written)
 
     def close(self) -> None:

@@ -135,6 +135,26 @@ def test_every_batch_keeps_the_replay_ratio(tmp_path, world):
     assert compositions and all(c["replay"] == c["fresh"] for c in compositions)
 
 
+def test_rows_too_long_to_share_a_batch_still_get_their_replay_share(tmp_path, world):
+    """A long session fills a batch alone, so no replay row fits beside it: the replay share is owed and paid by
+    steps on replay alone, and earlier traffic is still replayed at replay_ratio of the rows."""
+    cfg, target = setup_run(tmp_path, world, replay_ratio=0.5, batch_tokens=64, min_fresh_tokens=1)  # rows 28-36
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    fresh_rows, kinds = 0, []
+    while tr.fresh:
+        kinds.append(tr.ready())
+        tr.train_once(force=True)
+        fresh_rows += tr.last_batch["fresh"]
+        assert tr.last_batch["fresh"] <= 1  # the fresh half of a batch holds one row
+    assert "owed" in kinds and tr.status().rows_replayed == tr.counters["rows_replayed"]
+    # every fresh row after the first (nothing to replay yet) owes one replay row at ratio 0.5; a replay step
+    # fills its batch, so it may pay more than it owed
+    assert fresh_rows - 2 <= tr.counters["rows_replayed"] <= 2 * fresh_rows
+    assert tr.intake.replay_owed < 1
+
+
 def test_a_long_replay_record_is_left_out_rather_than_pad_a_batch_past_batch_tokens(tmp_path, world):
     """Every row pads to the batch's longest: a long session drawn for replay beside short fresh rows would
     pad them all to its length (8k tokens each at the default max_len). It waits in the buffer instead."""
