@@ -5,7 +5,8 @@ already trained on or held out is recognised after a restart and skipped), routi
 and counted: another target, no capture consent, fewer than 4 tokens; observed by the drift monitor and
 MoE growth; then held out for evidence "heldout", by a stable split of its request id, or queued fresh),
 the fresh queue (a batch's worth drawn oldest first; records that waited past max_fresh_age_s aged into
-the replay buffer), the replay buffer (fed what was trained or aged; sampled by drift weight), the
+the replay buffer), the replay buffer (fed what was trained or aged; sampled by drift weight; its share of the rows, owed
+where a long row leaves no room beside it and then paid by a step on replay alone), the
 held-out pools, and the acks owed: a record used since the last checkpoint is acked only when the
 trainer says its checkpoint covers it (`ack_done`).
 

@@ -2,7 +2,8 @@
 
 Owns: the head (float32, on the trainer's device) and its AdamW optimizer, replaced together whenever the
 head is (a restart from a champion, a cold start, a grown expert, a resumed checkpoint); turning records into
-training rows for this head (trainer.traffic); the update itself, in this process (trainer.step.train_step,
+training rows for this head (trainer.traffic; positions "new": which record first carried each prefix); the
+update itself, in this process (trainer.step.train_step,
 with MoE routing supervision) or on a data-parallel worker group (trainer.scaleout.DataParallelStep: started
 at the first update, given the head whenever it was replaced), under a schedule that is constant after
 warmup and the step config (bf16 where the hardware multiplies it natively); and bringing the head level
