@@ -159,7 +159,8 @@ def nearline_run(target, head_dir: Path, records: list[TraceRecord], work: Path,
             log(f"  {spent:5.2f} CPU-min  {tr.counters['tokens_trained']:7d} tokens{scored}")
             next_eval += budget_min / evals
     return tr.head, curve, {"tokens_trained": tr.counters["tokens_trained"], "tokens_received":
-                            tr.counters["tokens_received"], "steps": tr.counters["steps"]}
+                            tr.counters["tokens_received"], "steps": tr.counters["steps"],
+                            "rows_replayed": tr.counters.get("rows_replayed", 0)}
 
 
 # ---- (c): offline fine-tuning on ShareGPT code ------------------------------------------------------------
