@@ -430,7 +430,7 @@ def seqpar_ttt_loss(
                                                      valid_rows, alive)  # ce: a mean over this rank's m rows
         row_accepted[j] = alive
         local = local + (decay**j) * ce * (m / counts[j])
-        stats[:, j] = torch.tensor([float(ce) * m, int(hit.sum()), m, int(alive.sum()),
+        stats[:, j] = torch.tensor([float(ce.detach()) * m, int(hit.sum()), m, int(alive.sum()),
                                     int(row_eligible[j].sum())], dtype=torch.float64)
     local = _Join.apply(local, *attend.ring_outputs)
     return _whole_batch(local, stats, ring, rows, start, row_eligible, row_accepted)
