@@ -105,10 +105,6 @@ def replay_score(head, target, records, tree: TreeParams) -> ReplayScore:
     return replay_heads({"h": head.float().eval()}, records, target, tree).scores["h"]
 
 
-def by_position(head, target, records, tree: TreeParams) -> list[dict]:
-    return replay_score(head, target, records, tree).by_position()
-
-
 def session_of(request_id: str) -> str:
     """A session turn's session: its request id (f"{split}-{session id}-{turn}") without the turn."""
     return request_id.rsplit("-", 1)[0]

@@ -159,7 +159,6 @@ class Intake:
         self.replay_owed += replay_rows(len(fresh), self.cfg.replay_ratio)
         out = self.replay_beside(fresh, int(self.replay_owed))
         self.replay_owed -= len(out)
-        self.counters["rows_replayed"] = self.counters.get("rows_replayed", 0) + len(out)
         return out
 
     def replay_beside(self, fresh: list[TraceRecord], n: int) -> list[TraceRecord]:
@@ -187,7 +186,6 @@ class Intake:
             out.append(rec)
             longest = max(longest, n)
         self.replay_owed = max(0.0, self.replay_owed - len(out))
-        self.counters["rows_replayed"] = self.counters.get("rows_replayed", 0) + len(out)
         return out
 
     def age_out(self) -> list[TraceRecord]:

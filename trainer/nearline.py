@@ -310,6 +310,7 @@ class NearlineTrainer:
         self.counters["steps"] += 1
         self.last_step_at = time.time()
         self.counters["tokens_trained"] += tokens
+        self.counters["rows_replayed"] = self.counters.get("rows_replayed", 0) + len(replayed)  # absent: older checkpoint
         self.counters["regenerated_rows"] += regenerated
         self.loss = stats.loss
         self.last_batch = {"fresh": len(fresh), "replay": len(replayed), "tokens": tokens, "regenerated": regenerated}
