@@ -4,7 +4,8 @@ node) runs `check_stack` before starting anything, and `adaptive-eagle up --chec
 Owns: the rules that tie the sections to each other — settings that each pass their own range checks
 but together leave a stage of the loop unreachable (no candidate can ever be written, the canary or the
 rollback watch can never decide) or unsafe (a domain's regression is never checked, a seed head trained
-for another target, paths that other nodes cannot read). Each problem names every field involved and what
+for another target, paths that other nodes cannot read, a seed head or target that is not where the
+process that reads it at start runs). Each problem names every field involved and what
 to change. Must not touch: starting anything, writing anything (a check creates no state: a target's
 fingerprint is read from its marker or hashed without writing one).
 
@@ -53,12 +54,13 @@ class StackCheck:
 
 def check_stack(cfg: StackConfig, serving_target: bool = True) -> StackCheck:
     """Every cross-section problem of `cfg` (an empty `problems` tuple: the loop can run). serving_target=False:
-    the stack builds its target some other way (a test's target builder), so the seed head is not held to
-    serving.target."""
+    the stack builds its target some other way (a test's target builder), so neither the seed head nor the
+    provisioning of a target directory is held to serving.target (the seed head itself must still be here)."""
     problems: list[Problem] = []
     notes: list[str] = []
     for rule in (_candidates, _live_minimums, _cluster_paths):
         rule(cfg, problems, notes)
+    _provisioned(cfg, problems, notes, serving_target)
     if serving_target:
         _seed_head(cfg, problems, notes)
     return StackCheck(tuple(problems), tuple(notes))
@@ -149,17 +151,110 @@ def _cluster_paths(cfg: StackConfig, problems: list[Problem], notes: list[str]) 
             "not see: set registry.path (or state_dir) to a filesystem every node mounts, e.g. /mnt/efs/...")))
 
 
+@dataclass(frozen=True)
+class _Read:
+    """One path the stack reads at start: the setting naming it, and who reads it where."""
+    field: str  # dotted name of the setting, e.g. "serving.target"
+    path: str  # as written in the config (a built-in target's name, or a directory)
+    reader: str  # who reads it, with the code that does
+    here: bool  # True: that read can run on the machine that runs `adaptive-eagle up` (this one)
+
+
+def _reads(cfg: StackConfig, serving_target: bool) -> list[_Read]:
+    """Every path `up` reads at start, and whether the read can run on this machine (the one that runs `up`
+    and its check: on a cluster, the head node, where ops/cluster.yaml's head_start_ray_commands run both)."""
+    remote = cfg.ray.address is not None and cfg.ray.replicas_as_actors  # replica actors on the cluster's nodes
+    reads: list[_Read] = []
+    seed = cfg.registry.seed_head
+    if seed and not _registry_has_heads(cfg.registry_path):
+        # loop/stack.py LocalStack._state runs in `up`'s own process: HeadRegistry.add(seed) when the registry has
+        # no champion and no versions yet
+        reads.append(_Read("registry.seed_head", seed, "`adaptive-eagle up` itself adds it to the registry "
+                           f"{cfg.registry_path}, which has no head yet (loop/stack.py LocalStack._state)", True))
+    if not serving_target:
+        return reads
+    if cfg.trainer.enabled:
+        own = cfg.trainer.inner_fields()  # the trainer section's own target wins (StackConfig.nearline_config)
+        field, nl_target = ("trainer.target", own["target"]) if own.get("target") else ("serving.target",
+                                                                                          cfg.serving.target)
+        where = ("where Ray places it: any node, this one included" + (
+            f" (trainer.resources {dict(cfg.trainer.resources)}; in ops/cluster.yaml only the head node advertises "
+            "ae_head)" if cfg.trainer.resources else "") if cfg.ray.address is not None else "on this machine")
+        # trainer/nearline.py NearlineTrainer.start: load_target(cfg.target) in the trainer actor's process
+        reads.append(_Read(field, nl_target, f"the trainer actor loads it {where} (trainer/nearline.py "
+                           "NearlineTrainer.start)", True))
+    if cfg.serving.backend == "reference":
+        # serving/replicas.py ReplicaBuilder._reference: load_target(config.target) in the replica's process
+        reads.append(_Read("serving.target", cfg.serving.target, "each reference replica loads it "
+                           f"{'on the node Ray places it on' if remote else 'on this machine'} "
+                           "(serving/replicas.py ReplicaBuilder._reference)", not remote))
+    else:
+        # serving/replicas.py ReplicaBuilder._sglang: launch_sglang and AutoTokenizer on sglang.model_path
+        reads.append(_Read("serving.sglang.model_path", cfg.serving.sglang.model_path, "each SGLang replica starts "
+                           f"SGLang on it and reads its tokenizer {'on its GPU node' if remote else 'on this machine'} "
+                           "(serving/replicas.py ReplicaBuilder._sglang)", not remote))
+    return reads
+
+
+def _registry_has_heads(root: Path) -> bool:
+    """Whether the registry at `root` already has a champion or a version (then no seed head is read); reads only.
+    An unreadable registry counts as empty: the stack would try to seed it."""
+    from adaptive_eagle.registry import HeadRegistry, RegistryError
+    from adaptive_eagle.versions import PLAIN
+
+    try:
+        reg = HeadRegistry(root)
+        return reg.champion() != PLAIN or bool(reg.versions())
+    except (RegistryError, OSError, ValueError):
+        return False
+
+
+def _present(path: str) -> bool:
+    """Whether a path the stack reads is on this machine: a directory, or a built-in target whose package is
+    installed (adaptive_eagle/targets.py materialize_builtin builds it from the package on first load)."""
+    import importlib.util
+
+    from adaptive_eagle import targets as T
+
+    if path in T.BUILTIN_TARGETS:
+        return importlib.util.find_spec(T.BUILTIN_TARGETS[path][0]) is not None
+    return Path(path).expanduser().exists()
+
+
+def _provisioned(cfg: StackConfig, problems: list[Problem], notes: list[str], serving_target: bool) -> None:
+    """A path the stack reads at start must be on the machine that reads it. A read that runs on this machine and
+    finds nothing kills the stack after it has started (on a cluster: in the background, after `ray up` reported
+    success): a problem. A path only replicas on other nodes read cannot be seen from here: a note."""
+    grouped: dict[tuple[str, str], list[_Read]] = {}
+    for read in _reads(cfg, serving_target):
+        grouped.setdefault((read.field, read.path), []).append(read)
+    shared = " on the shared filesystem every node mounts" if cfg.ray.address is not None else ""
+    for (field, path), reads in grouped.items():
+        if _present(path):
+            continue
+        here = [r.reader for r in reads if r.here]
+        if not here:
+            notes.append(f"{field} {path} is not on this machine; " + "; ".join(r.reader for r in reads)
+                         + ": make sure it is there")
+            continue
+        what = ("the head version directory (e.g. heads/smollm2-135m-english-v2 of this repository, copied as it is)"
+                if field == "registry.seed_head" else "the model directory (for a built-in target, the one "
+                "`adaptive-eagle target-info` materialises, copied as it is)")
+        fix = (f"copy {what} to {path}{shared} before starting the stack"
+               + (", or remove registry.seed_head to start on plain decoding" if field == "registry.seed_head" else ""))
+        later = (" in the background, after `ray up` has reported success" if cfg.ray.address is not None else "")
+        problems.append(Problem((field,), f"{path} is not on this machine, but {'; '.join(here)}: that read would "
+                                          f"fail{later}. Provision it: {fix}"))
+
+
 def _seed_head(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
     """A seed head drafts only for the target it was trained on (same weights: same fingerprint)."""
     seed = cfg.registry.seed_head
-    if not seed:
-        return
+    if not seed or not Path(seed).expanduser().exists():
+        return  # a seed that is not here: _provisioned says whether that matters
     meta_path = Path(seed).expanduser() / "head.json"
     if not meta_path.is_file():
-        if Path(seed).expanduser().exists() or cfg.ray.address is None:
-            problems.append(Problem(("registry.seed_head",), f"{seed}: no head.json (not a head version directory)"))
-        else:
-            notes.append(f"registry.seed_head {seed} is not on this machine; its target was not checked")
+        problems.append(Problem(("registry.seed_head",), f"{seed}: no head.json (not a head version directory)"))
         return
     try:
         meta = json.loads(meta_path.read_text())

@@ -4,6 +4,7 @@ stack refuses to start on it, and under the stack's own defaults the trainer rea
 offline gate can judge."""
 
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -39,11 +40,36 @@ def shipped_configs(tmp_path, monkeypatch):
     return out
 
 
+def provisioned_prod(tmp_path, monkeypatch):
+    """ops/prod.yaml with its shared filesystem (/mnt/efs) under tmp_path, provisioned as the cluster needs: the
+    seed head's head.json (naming the tiny target's fingerprint) and the target directory."""
+    import yaml
+
+    from adaptive_eagle.targets import peek_fingerprint, tiny_target
+
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    efs = tmp_path / "efs"
+    data = yaml.safe_load((REPO / "ops" / "prod.yaml").read_text().replace("/mnt/efs", str(efs)))
+    cfg = parse_stack_config(data, "prod.yaml")
+    target = Path(cfg.serving.target)
+    tiny_target(seed=3).model.save_pretrained(target)
+    meta = json.loads((REPO / "heads" / "smollm2-135m-english-v2" / "head.json").read_text())
+    seed = Path(cfg.registry.seed_head)
+    seed.mkdir(parents=True)
+    (seed / "head.json").write_text(json.dumps({**meta, "target_fingerprint": peek_fingerprint(target)}))
+    return cfg
+
+
 def test_every_shipped_config_passes_the_check(tmp_path, monkeypatch):
     configs = shipped_configs(tmp_path, monkeypatch)
     assert {"defaults", "demo", "demo --quick", "prod.yaml"} <= set(configs)
+    configs["prod.yaml provisioned"] = provisioned_prod(tmp_path, monkeypatch)
     for name, cfg in configs.items():
         result = check_stack(cfg)
+        if name == "prod.yaml":  # on this machine its shared filesystem is empty: nothing provisioned
+            assert {p.fields for p in result.problems} == {("registry.seed_head",), ("serving.target",)}, result.lines()
+            continue
         assert result.ok, (name, result.lines())
     prod = configs["prod.yaml"].nearline_config()
     gates = configs["prod.yaml"].policy.gates()
@@ -111,6 +137,72 @@ def test_a_seed_head_for_another_target_is_refused(tmp_path):
     assert check_stack(cfg, serving_target=False).ok  # a stack whose target comes from a builder
     missing = parse_stack_config({"state_dir": str(tmp_path / "s"), "registry": {"seed_head": str(tmp_path / "no")}})
     assert [p.fields for p in check_stack(missing).problems] == [("registry.seed_head",)]
+
+
+def test_on_a_cluster_a_seed_head_or_target_read_on_this_machine_must_be_here(tmp_path, monkeypatch):
+    """`up` runs on the head node (ops/cluster.yaml head_start_ray_commands) and adds the seed head to the registry
+    there (loop/stack.py LocalStack._state); prod's trainer (trainer.resources {ae_head: 1}) loads serving.target
+    there too. Missing, each is a problem naming the field, the path and the fix; the old check let both through
+    as notes, and the stack died in the background after `ray up` reported success."""
+    cfg = provisioned_prod(tmp_path, monkeypatch)
+    assert check_stack(cfg).ok
+    seed, target = Path(cfg.registry.seed_head), Path(cfg.serving.target)
+    shutil.rmtree(seed)
+    shutil.rmtree(target)
+    result = check_stack(cfg)
+    by_field = {p.fields: p.message for p in result.problems}
+    assert set(by_field) == {("registry.seed_head",), ("serving.target",)}, result.lines()
+    assert str(seed) in by_field[("registry.seed_head",)] and "LocalStack._state" in by_field[("registry.seed_head",)]
+    assert "shared filesystem" in by_field[("registry.seed_head",)] and "ray up" in by_field[("registry.seed_head",)]
+    assert str(target) in by_field[("serving.target",)] and "trainer" in by_field[("serving.target",)]
+    assert "Provision it" in by_field[("serving.target",)]
+    # read only by SGLang replicas on their GPU nodes: a note, never a problem
+    assert any("serving.sglang.model_path" in n and "GPU node" in n for n in result.notes)
+    with pytest.raises(StackConfigError, match="registry.seed_head"):  # `up` refuses before starting anything
+        from loop.stack import LocalStack
+
+        LocalStack(cfg).start()
+    assert not Path(cfg.registry_path).exists()
+
+
+@pytest.mark.parametrize("sections, fields", [
+    # nobody on this machine reads the target: the trainer is off and reference replicas run on other nodes
+    ({"trainer": {"enabled": False}}, set()),
+    # the trainer reads it on whatever node Ray picks, this one included
+    ({}, {("serving.target",)}),
+    ({"trainer": {"target": "TARGET"}, "serving": {"target": "smollm2-135m"}}, {("trainer.target",)}),
+    # replicas inside the gateway's process read it here
+    ({"trainer": {"enabled": False}, "ray": {"replicas_as_actors": False}}, {("serving.target",)}),
+    # SGLang replicas read sglang.model_path, in the gateway's process when not actors
+    ({"trainer": {"enabled": False}, "ray": {"replicas_as_actors": False},
+      "serving": {"backend": "sglang", "sglang": {"model_path": "TARGET", "draft_model_path": "HEAD"}}},
+     {("serving.sglang.model_path",)}),
+])
+def test_a_missing_target_is_a_problem_only_where_it_is_read_here(tmp_path, sections, fields):
+    missing = str(tmp_path / "not-provisioned")
+    sections = json.loads(json.dumps(sections).replace("TARGET", missing).replace("HEAD", str(REPO / "heads")))
+    base = {"state_dir": str(tmp_path / "s"), "store": {"backend": "redis"}, "registry": {"path": str(tmp_path / "r")},
+            "ray": {"address": "auto"}, "serving": {"target": missing}}
+    merged = {k: {**base.get(k, {}), **sections.get(k, {})} if isinstance(base.get(k), dict) else base[k]
+              for k in base} | {k: v for k, v in sections.items() if k not in base}
+    result = check_stack(parse_stack_config(merged))
+    assert {p.fields for p in result.problems} == fields, result.lines()
+    if not fields:
+        assert any(missing in n and "reference replica" in n for n in result.notes), result.notes
+
+
+def test_a_seed_head_is_not_read_once_the_registry_has_a_champion(tmp_path):
+    from adaptive_eagle.registry import HeadRegistry
+
+    reg_root = tmp_path / "reg"
+    cfg = parse_stack_config({"state_dir": str(tmp_path / "s"), "registry": {"path": str(reg_root),
+                                                                            "seed_head": str(tmp_path / "gone")},
+                              "ray": {"address": "auto"}, "store": {"backend": "redis"}, "trainer": {"enabled": False}})
+    assert [p.fields for p in check_stack(cfg).problems] == [("registry.seed_head",)]
+    reg = HeadRegistry.create(reg_root)
+    version = reg.add(REPO / "heads" / "smollm2-135m-english-v2")
+    reg.set_champion(version, expect="none")
+    assert check_stack(cfg).ok, check_stack(cfg).lines()  # LocalStack._state seeds only an empty registry
 
 
 def test_up_check_prints_the_problems_and_starts_nothing(tmp_path):
