@@ -5,6 +5,12 @@ Owns: metric names, labels and buckets; `observe` for a finished request, `refre
 statuses at scrape time (a replica that did not answer is `ae_replica_up` 0; the gateway counts replica
 failures in `ae_replica_failures_total` as they happen). Must not touch: routing, decoding.
 
+A backend's own counts (`ServerStatus.info`, the backend's `info()`: SGLang's `counts` and `down`) are exported
+as they stand in each replica's last answer (BackendCollector): swaps by how they were done, requests the
+backend lost by reason, and whether the backend is down (its reason stays in the status, /admin/status,
+never in a label). They are the replica's own cumulative counts, so a restarted replica starts them at 0 again,
+which `increase()` and `rate()` read as a counter reset.
+
 Per-request acceptance is a histogram by head version and domain, so tail acceptance (the policy's
 gate) can be read from /metrics, unlike SGLang's batch-level gauges. Acceptance by context length is two
 counters by head version and context bucket (adaptive_eagle.positions.DEFAULT_EDGES: six labels, 0-512 …
@@ -18,6 +24,7 @@ import logging
 from typing import Iterable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adaptive_eagle.positions import DEFAULT_EDGES, bucket_labels, context_position, label_of, step_positions
 from adaptive_eagle.trace import TraceRecord
@@ -48,6 +55,64 @@ def context_fields(trace: TraceRecord) -> dict:
         t[0], t[1] = t[0] + 1, t[1] + a
     return {"context_position": context_position(prompt, len(trace.loss_mask) - prompt),
             "by_context": tuple((k, *tally[k]) for k in CONTEXT_LABELS if k in tally)}
+
+
+# serving/sglang_backend.py SGLangBackend.counts: how a swap was done (in place through a weight-update session,
+# by restarting SGLang on the head: a cold start, or refused with the old head kept) and why a request was lost
+SWAP_COUNTS = {"session_swaps": "session", "restart_swaps": "restart", "refused_swaps": "refused"}
+LOST_COUNTS = ("aborted", "refused_by_sglang", "broken_streams", "protocol_errors")  # _failure_kind's values
+
+
+class BackendCollector:
+    """ae_backend_*: each replica's backend counts and down state from its last status. A count this collector
+    does not know by name is still exported, under ae_backend_events_total (never dropped unseen)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[dict, Optional[str], bool]] = {}  # replica -> (counts, down, reports down)
+
+    def update(self, statuses: Iterable[ServerStatus]) -> None:
+        last = dict(self._last)
+        for s in statuses:
+            info = s.info or {}
+            if "counts" not in info and "down" not in info:
+                continue  # a backend without counts of its own (the reference engine)
+            down = info.get("down") or None
+            if down and not (last.get(s.replica) or ({}, None, False))[1]:
+                log.error("replica %s: its %s backend is down: %s", s.replica, info.get("backend", "?"), down)
+            last[s.replica] = ({str(k): v for k, v in (info.get("counts") or {}).items()}, down, "down" in info)
+        self._last = last  # replaced whole: a scrape reads one consistent snapshot
+
+    def describe(self):
+        return list(self._families({}))
+
+    def collect(self):
+        return list(self._families(self._last))
+
+    @staticmethod
+    def _families(last: Mapping[str, tuple[dict, Optional[str], bool]]):
+        swaps = CounterMetricFamily("ae_backend_swaps", "Head swaps the replica's backend did, by how: session (in "
+                                    "place, a draft-only weight update), restart (SGLang restarted on the head: a cold "
+                                    "start), refused (the old head kept serving)", labels=["replica", "how"])
+        lost = CounterMetricFamily("ae_backend_requests_lost", "Requests the backend did not finish, by reason "
+                                   "(aborted, refused_by_sglang, broken_streams, protocol_errors)",
+                                   labels=["replica", "reason"])
+        events = CounterMetricFamily("ae_backend_events", "Other counts the backend reports (e.g. straddled_requests: "
+                                     "requests that straddled a weight update)",
+                                     labels=["replica", "event"])
+        down = GaugeMetricFamily("ae_backend_down", "1 while the replica's backend says it cannot serve (SGLang: a "
+                                 "restart that failed, an update that could not be undone); the reason is in "
+                                 "/admin/status, replicas[].info.down", labels=["replica"])
+        for replica, (counts, why, reports_down) in sorted(last.items()):
+            for key, n in sorted(counts.items()):
+                if key in SWAP_COUNTS:
+                    swaps.add_metric([replica, SWAP_COUNTS[key]], float(n))
+                elif key in LOST_COUNTS:
+                    lost.add_metric([replica, key], float(n))
+                else:
+                    events.add_metric([replica, key], float(n))
+            if reports_down:
+                down.add_metric([replica], 1.0 if why else 0.0)
+        return swaps, lost, events, down
 
 
 class GatewayMetrics:
@@ -102,6 +167,8 @@ class GatewayMetrics:
                                               registry=r)
         self.canary_fraction = Gauge("ae_canary_fraction", "Share of requests routed to the canary head",
                                      registry=r)
+        self.backends = BackendCollector()
+        r.register(self.backends)
 
     def observe(self, spec: SpecMetrics, tokens: int) -> None:
         v = spec.head_version
@@ -138,6 +205,8 @@ class GatewayMetrics:
         self.canary_fraction.set(canary_fraction)
         self.replica_head.clear()
         self.store_state.clear()
+        statuses = list(statuses)
+        self.backends.update(statuses)
         for s in statuses:
             if s.pid is not None:
                 if self._pids.get(s.replica, s.pid) != s.pid:

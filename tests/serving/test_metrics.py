@@ -102,3 +102,79 @@ def test_a_response_carries_its_context_slice():
     assert spec.to_json()["by_context"] == (("1-2k", 1, 1),) and spec.to_json()["context_position"] == 2001
     assert SpecMetrics(head_version="v1", accept_length=1.0, verify_steps=0, draft_tokens=0,
                        accepted_drafts=0).context_position is None
+
+
+# ---- the backend's own counts: swaps by how, lost requests, down ---------------------------------------------
+def sglang_replica(registry, launch=True):
+    """(stand-in host, backend, replica server) on v1 through the protocol-faithful stand-in, as serving.replicas
+    builds an SGLang replica: its status carries SGLangBackend.info() as the gateway collects it."""
+    from serving.server import DecodeServer
+    from serving.sglang_backend import SGLangBackend, SGLangConfig, launch_sglang
+    from tests.serving.sglang_standin import StandInHost, WordTokenizer
+
+    host = StandInHost()
+    config = SGLangConfig(model_path="/models/tiny", draft_model_path=str(registry.get("v1")), weight_version="v1",
+                          launch=launch, health_poll_s=0.001, startup_timeout_s=5.0)
+    client = host.client()
+    process = launch_sglang(config, client=client, spawn=host.spawn)
+    backend = SGLangBackend(config, WordTokenizer(), registry, "v1", "fp", client=client,
+                            process=process if launch else None, spawn=host.spawn)
+    return host, backend, DecodeServer(backend, name="sg-0")
+
+
+def sample(text: str, name: str, **labels) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_swaps_by_how_and_a_backend_down_are_exported_from_the_replica_status(tmp_path, caplog):
+    """An in-place swap, a swap to a head with another vocabulary (SGLang restarted: a cold start) and a refused
+    one, counted by how; then an update that changed the target of a server not launched here takes the backend
+    out of service: ae_backend_down 1, its reason in the status (not a label) and in the gateway's log."""
+    from tests.serving.sglang_standin import make_registry
+
+    registry = make_registry(tmp_path / "registry")
+    host, backend, server = sglang_replica(registry)
+    m = GatewayMetrics()
+    m.refresh([server.status()], 0, 0, 0.0)
+    text = m.render().decode()
+    for how in ("session", "restart", "refused"):  # a series at 0 from the first status on
+        assert sample(text, "ae_backend_swaps_total", replica="sg-0", how=how) == 0.0, text
+    assert sample(text, "ae_backend_down", replica="sg-0") == 0.0
+    assert server.swap_head("v2").ok and server.swap_head("v3").ok and not server.swap_head("v9").ok
+    m.refresh([server.status()], 0, 0, 0.0)
+    text = m.render().decode()
+    assert sample(text, "ae_backend_swaps_total", replica="sg-0", how="session") == 1.0
+    assert sample(text, "ae_backend_swaps_total", replica="sg-0", how="restart") == 1.0  # v3: another vocabulary
+    assert sample(text, "ae_backend_swaps_total", replica="sg-0", how="refused") == 1.0  # v9: no such version
+    assert sample(text, "ae_backend_requests_lost_total", replica="sg-0", reason="aborted") == 0.0
+
+    host, backend, server = sglang_replica(registry, launch=False)
+    host.server.touch_target = True  # the update changed the target: undone? not without a server launched here
+    assert not server.swap_head("v2").ok
+    status = server.status()
+    m.refresh([status], 0, 0, 0.0)
+    text = m.render().decode()
+    assert sample(text, "ae_backend_down", replica="sg-0") == 1.0
+    assert "restart the server" in status.info["down"]  # the reason: in the status, never in a label
+    assert not any("ae_backend_down{" in line and "restart" in line for line in text.splitlines())
+    assert "backend is down" in caplog.text and "restart the server" in caplog.text
+
+
+def test_backend_counts_keep_their_last_answer_and_a_new_count_is_never_dropped():
+    def st(replica, info):
+        return ServerStatus(replica=replica, head_version="v1", backend=info.get("backend", "reference"), running=0,
+                            waiting=0, served=0, refused=0, failed=0, cancelled=0, info=info)
+
+    m = GatewayMetrics()
+    sg = {"backend": "sglang", "down": None, "counts": {"restart_swaps": 2, "broken_streams": 1, "new_thing": 4}}
+    m.refresh([st("a", sg), st("ref", {"backend": "reference", "head_version": "v1"})], 0, 0, 0.0)
+    m.refresh([], 0, 0, 0.0, replicas_up={"a": False, "ref": True})  # "a" did not answer: its last counts stay
+    text = m.render().decode()
+    assert sample(text, "ae_backend_swaps_total", replica="a", how="restart") == 2.0
+    assert sample(text, "ae_backend_requests_lost_total", replica="a", reason="broken_streams") == 1.0
+    assert sample(text, "ae_backend_events_total", replica="a", event="new_thing") == 4.0
+    assert 'replica="ref"' not in "\n".join(line for line in text.splitlines() if line.startswith("ae_backend_"))
