@@ -9,10 +9,15 @@ between an in-place update and a restart (sglang_backend.py), the head registry'
 
 Why the checks: SGLang loads a draft update with the draft model's `load_weights`, which skips any
 name it does not know without a word, and an EAGLE-3 server takes the draft vocabulary map (`d2t`)
-once, when it starts: a tensor update sets the model's copy but the worker keeps mapping draft ids
-with the launch head's. So a head whose config or `d2t` differs from the launch head's would decode
-with the wrong vocabulary (acceptance collapses while the output stays lossless); it needs a restart.
-The checksums after an update are the only evidence the draft really changed and the target did not.
+once, when it starts (eagle_worker_v2.init_lm_head copies the model's hot_token_id to the device). So a
+head whose config or `d2t` differs from the launch head's needs a restart, and an update never sends the
+vocabulary map at all (`NOT_SENT`): in 0.5.23 it would not merely be ignored, it kills the server.
+ModelRunner's weight_updater.update_weights_from_tensor moves every received tensor to the GPU
+(`_unwrap_tensor`: `tensor.to(device)`), then LlamaForCausalLMEagle3.load_weights computes
+`hot_token_id = loaded_weight + torch.arange(n)` with a CPU arange: a device-mismatch RuntimeError that
+neither the runner nor the scheduler's update_weights_from_tensor catches, and the scheduler SIGQUITs its
+parent (scheduler.py), so the whole server exits. The checksums after an update are the only evidence the
+draft really changed and the target did not.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from serving.sglang_protocol import (DRAFT, ENDPOINTS, SGLangError, SGLangProtoc
                                      checksum_body, end_update_body, engine_checksum, tensor_update_bodies)
 
 WEIGHTS_FILE = "model.safetensors"
-NOT_LOADED = ("t2d",)  # SGLang's EAGLE-3 loader skips it
-VOCAB_MAP = "d2t"  # SGLang's loader keeps it on the model; the running worker never reads it again
+VOCAB_MAP = "d2t"  # read once at launch; in an update it crashes the server (module docstring), so never sent
+# never sent in an update: `t2d` the EAGLE-3 loader skips (llama_eagle3.load_weights `continue`s on it);
+# `d2t` the loader turns into hot_token_id with a CPU arange after the runner moved it to the GPU
+NOT_SENT = (VOCAB_MAP, "t2d")
 
 
 @dataclass(frozen=True)
@@ -57,14 +64,12 @@ class DraftWeights:
         return cls(directory, config, load_file(str(weights)))
 
     def loadable(self) -> dict:
-        """The tensors an update sends: all but those SGLang skips."""
-        return {k: t for k, t in self.tensors.items() if k not in NOT_LOADED}
+        """The tensors an update sends: the draft's parameters, never the vocabulary maps (NOT_SENT)."""
+        return {k: t for k, t in self.tensors.items() if k not in NOT_SENT}
 
     def same_weights(self, other: "DraftWeights") -> bool:
         """True when an update from `other` to this head leaves the draft's parameters as they were."""
         mine, theirs = self.loadable(), other.loadable()
-        mine.pop(VOCAB_MAP, None)
-        theirs.pop(VOCAB_MAP, None)
         return mine.keys() == theirs.keys() and all(
             mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]) for k in mine)
 

@@ -187,6 +187,40 @@ def test_the_running_worker_keeps_the_vocabulary_map_it_started_with(upstream):
     assert "self.hot_token_id = self.draft_runner.model.hot_token_id.to(" in init  # ... the worker copied it at start
 
 
+def test_a_d2t_in_a_draft_update_kills_the_server_upstream_so_it_is_never_sent(upstream):
+    """Why serving.sglang_swap.NOT_SENT holds d2t, and why the stand-in dies on one: the runner moves each
+    tensor to the GPU, the EAGLE-3 loader adds a CPU arange to d2t, nothing on the way catches the error, and
+    a scheduler that raises signals its parent to quit."""
+    import ast
+
+    from serving.sglang_swap import NOT_SENT, VOCAB_MAP
+
+    runner = "srt/model_executor/model_runner_components/weight_updater.py"
+    assert "return tensor.to(device)" in ast.unparse(upstream.function(runner, "_unwrap_tensor"))
+    update = upstream.function(runner, "update_weights_from_tensor")
+    assert "_unwrap_tensor(tensor" in ast.unparse(update) and "load_weights(named_tensors)" in ast.unparse(update)
+    assert not any(isinstance(n, ast.Try) for n in ast.walk(update))  # from_disk has one; this path has none
+    scheduler = upstream.function("srt/managers/scheduler_components/weight_updater.py", "update_weights_from_tensor")
+    assert not any(isinstance(n, ast.Try) for n in ast.walk(scheduler))
+    load = ast.unparse(upstream.function("srt/models/llama_eagle3.py", "load_weights"))
+    assert "loaded_weight + torch.arange(loaded_weight.shape[0])" in load  # no device= : a CPU arange
+    assert "signal.SIGQUIT" in upstream.source("srt/managers/scheduler.py")
+    assert VOCAB_MAP in NOT_SENT and "t2d" in NOT_SENT
+
+
+def test_eagle3_servers_run_48_requests_at_once_unless_told_otherwise(upstream):
+    """The SGLang replica's default max_inflight: what SGLang itself runs for EAGLE-3 (speculative_hook)."""
+    import ast
+
+    from serving.sglang_backend import EAGLE_MAX_RUNNING_REQUESTS
+
+    hook = ast.unparse(upstream.function("srt/arg_groups/speculative_hook.py", "_handle_eagle_family"))
+    assert "cfg.max_running_requests is None" in hook
+    assert f"max_running_requests={EAGLE_MAX_RUNNING_REQUESTS}" in hook
+    assert "--max-running-requests" in {f for a in upstream.server_args.values() for f in a.flags}
+    assert standin.EAGLE_MAX_RUNNING_REQUESTS == EAGLE_MAX_RUNNING_REQUESTS
+
+
 def test_streams_are_cumulative_unless_the_server_is_told_otherwise(upstream):
     assert upstream.field_default("incremental_streaming_output") is False
     assert upstream.field_default("weight_version") == "default"
