@@ -39,10 +39,10 @@ class ServerActor(LocalReplica):
         await asyncio.to_thread(self.server.close)
 
 
-def remote_server_actor(builder: Callable[[], DecodeServer], name: str, **options):
+def remote_server_actor(builder: Callable[[], DecodeServer], name: str, max_inflight: int = 1, **options):
     """Start a ServerActor (`options`: Ray actor options such as num_cpus, num_gpus) and return a
-    router.RayReplica over it."""
+    router.RayReplica over it that routes it up to `max_inflight` requests at once."""
     import ray
 
     handle = ray.remote(ServerActor).options(name=None, **options).remote(builder)
-    return RayReplica(handle, name)
+    return RayReplica(handle, name, max_inflight)

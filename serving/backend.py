@@ -6,7 +6,8 @@ its final text, else the server makes it with the core's `TextStream`; `swap_hea
 `info()`), `RequestError` (a request a backend refuses, with the field at fault), and
 `ReferenceBackend` around `SpeculativeEngine` + `HeadRegistry` (one `GenerationRequest` per
 request; the engine cuts stop strings and makes the text), and its one-replica canary (`set_canary`). Must not touch: threads, queues, capture and the store (server.py), HTTP
-(gateway.py). A backend runs one request at a time; the server guarantees it.
+(gateway.py). A backend runs at most `max_inflight` requests at once (the reference engine: one, the measured
+best on a CPU); the server guarantees it.
 
 Hot swap goes through `engine.set_head`: a request binds its head when it starts and finishes on it,
 so a swap never disturbs the request in flight; a version that is missing or fails validation is
@@ -131,6 +132,9 @@ class ReferenceBackend:
     """The reference engine (CPU or CUDA) with heads from a registry."""
 
     name = "reference"
+    # one request at a time: the engine decodes one sequence (batch 1) and a CPU replica is fastest that way (a
+    # second request on the same cores only stretches both); more replicas, not more requests, add throughput
+    max_inflight = 1
 
     def __init__(self, engine: SpeculativeEngine, registry: Optional[HeadRegistry] = None,
                  max_prompt_tokens: Optional[int] = None, keep_previous: bool = True,

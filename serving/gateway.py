@@ -291,7 +291,8 @@ class Gateway:
         return {"replicas": [s.to_json() for s in await self.statuses()],
                 "serving_versions": self.router.serving_versions(), "champion": self.fleet.champion,
                 "canary": None if canary is None else canary.to_json(),
-                "queue": {"waiting": self.router.waiting, "busy": self.router.busy, "size": self.config.queue_size}}
+                "queue": {"waiting": self.router.waiting, "busy": self.router.busy, "inflight": self.router.inflight,
+                          "capacity": self.router.capacity, "size": self.config.queue_size}}
 
     async def admin_swap(self, request: Request) -> JSONResponse:
         body = api.validate_body(SwapBody, api.parse_json(await request.body()))
@@ -373,7 +374,7 @@ def create_app(config: ServingConfig, replicas: Sequence[Union[Replica, DecodeSe
     @app.get("/health")
     async def health():
         return {"status": "ok", "replicas": len(gw.router.slots), "busy": gw.router.busy,
-                "waiting": gw.router.waiting, "serving_versions": gw.router.serving_versions()}
+                "inflight": gw.router.inflight, "capacity": gw.router.capacity, "waiting": gw.router.waiting, "serving_versions": gw.router.serving_versions()}
 
     @app.get("/metrics")
     async def metrics():

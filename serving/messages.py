@@ -128,7 +128,7 @@ class ServerStatus:
     replica: str
     head_version: str
     backend: str
-    running: int  # 0 or 1: one request at a time per replica
+    running: int  # requests decoding now, at most max_inflight
     waiting: int
     served: int
     refused: int
@@ -138,6 +138,7 @@ class ServerStatus:
     store: Optional[dict] = None  # StoreWriter stats (None: no store)
     info: dict = field(default_factory=dict)  # the backend's info()
     pid: Optional[int] = None  # the replica's process (a new one after Ray restarted its actor)
+    max_inflight: int = 1  # requests it decodes at once (its backend's capacity: 1 for the reference engine)
 
     def to_json(self) -> dict:
         return asdict(self)

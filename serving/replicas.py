@@ -104,6 +104,16 @@ class ReplicaBuilder:
                              process=process)
 
 
+def replica_capacity(config: ServingConfig) -> int:
+    """Requests one replica of `config` decodes at once (what its DecodeServer's backend reports as
+    max_inflight): SGLang's batch (SGLangConfig.inflight_limit), else 1 (the reference engine)."""
+    if config.backend == "sglang" and config.sglang is not None:
+        return config.sglang.inflight_limit
+    from serving.backend import ReferenceBackend
+
+    return ReferenceBackend.max_inflight
+
+
 def replica_builders(config: ServingConfig, target_builder: Optional[Callable[[], object]] = None,
                      prefix: str = "replica") -> list[ReplicaBuilder]:
     return [ReplicaBuilder(config, f"{prefix}-{i}", i, target_builder) for i in range(config.replicas)]
@@ -123,7 +133,7 @@ def build_replicas(config: ServingConfig, *, ray_actors: bool = False,
     from serving.actor import remote_server_actor
 
     options = {"num_cpus": 1, **(actor_options or {})}
-    return [remote_server_actor(b, b.name, **options) for b in builders]
+    return [remote_server_actor(b, b.name, max_inflight=replica_capacity(config), **options) for b in builders]
 
 
-__all__ = ["ReplicaBuilder", "build_replicas", "open_registry", "replica_builders", "starting_head"]
+__all__ = ["ReplicaBuilder", "build_replicas", "open_registry", "replica_builders", "replica_capacity", "starting_head"]

@@ -1,7 +1,9 @@
 """Replicas as the gateway sees them, and the router that leases them to requests.
 
 Owns: the async `Replica` interface over an in-process `DecodeServer` (`LocalReplica`) or a Ray
-`ServerActor` (`RayReplica`); the `Router`: one request per replica at a time, a bounded wait
+`ServerActor` (`RayReplica`); the `Router`: up to each replica's capacity in flight at once (its
+`max_inflight`: 1 for the reference engine, what SGLang batches for an SGLang replica), each request to
+the eligible replica with the least load (in flight / capacity), a bounded wait
 queue with back-pressure (`QueueFull` -> 429), the head each replica serves, and canary routing (a
 fraction of requests to the replicas serving the candidate, or a per-request head override), and a
 lease that avoids one replica (the gateway's one retry of a request whose replica failed before it
@@ -28,6 +30,7 @@ from serving.server import DecodeServer
 
 class Replica(Protocol):
     name: str
+    max_inflight: int  # requests it decodes at once
 
     def stream(self, request: DecodeRequest) -> AsyncIterator[Event]: ...
 
@@ -39,10 +42,14 @@ class Replica(Protocol):
 
 
 class LocalReplica:
-    """A DecodeServer in the gateway's process (its decode thread keeps the event loop free)."""
+    """A DecodeServer in the gateway's process (its decode threads keep the event loop free)."""
 
     def __init__(self, server: DecodeServer) -> None:
         self.server, self.name = server, server.name
+
+    @property
+    def max_inflight(self) -> int:
+        return self.server.max_inflight
 
     def stream(self, request: DecodeRequest) -> AsyncIterator[Event]:
         return self.server.astream(request)
@@ -58,10 +65,12 @@ class LocalReplica:
 
 
 class RayReplica:
-    """A ServerActor handle; events come back through a Ray streaming generator."""
+    """A ServerActor handle; events come back through a Ray streaming generator. `max_inflight`: what the
+    actor's server decodes at once (serving.replicas.replica_capacity of its config); an async actor runs up
+    to 1000 calls at once (Ray's default max_concurrency for async actors), so the streams reach it."""
 
-    def __init__(self, handle, name: str) -> None:
-        self.handle, self.name = handle, name
+    def __init__(self, handle, name: str, max_inflight: int = 1) -> None:
+        self.handle, self.name, self.max_inflight = handle, name, max_inflight
 
     async def stream(self, request: DecodeRequest) -> AsyncIterator[Event]:
         refs = self.handle.stream.options(num_returns="streaming").remote(request)
@@ -79,7 +88,7 @@ class RayReplica:
 
 
 class QueueFull(Exception):
-    """Every eligible replica is busy and the wait queue is full (or the wait timed out)."""
+    """Every eligible replica is full and the wait queue is full (or the wait timed out)."""
 
 
 class NoReplica(Exception):
@@ -90,7 +99,18 @@ class NoReplica(Exception):
 class Slot:
     replica: Replica
     version: str  # the head it serves ("none": plain decoding)
-    busy: bool = False
+    capacity: int = 1  # requests it takes at once (the replica's max_inflight)
+    inflight: int = 0  # requests leased to it now
+    held: bool = False  # drained for a swap: nothing new is routed to it
+
+    @property
+    def open(self) -> bool:
+        """Can take one more request now."""
+        return not self.held and self.inflight < self.capacity
+
+    @property
+    def load(self) -> float:
+        return self.inflight / self.capacity
 
 
 class Router:
@@ -98,7 +118,7 @@ class Router:
                  rng: Optional[random.Random] = None) -> None:
         if len(replicas) != len(versions) or not replicas:
             raise ValueError("one version per replica, and at least one replica")
-        self.slots = [Slot(r, v) for r, v in zip(replicas, versions)]
+        self.slots = [Slot(r, v, capacity=max(1, int(getattr(r, "max_inflight", 1)))) for r, v in zip(replicas, versions)]
         self.queue_size, self.wait_timeout_s = queue_size, wait_timeout_s
         self.canary: Optional[Canary] = None  # the policy's canary, routed to the replicas serving it
         self.waiting = 0
@@ -111,7 +131,17 @@ class Router:
 
     @property
     def busy(self) -> int:
-        return sum(s.busy for s in self.slots)
+        """Replicas with at least one request in flight."""
+        return sum(s.inflight > 0 for s in self.slots)
+
+    @property
+    def inflight(self) -> int:
+        """Requests in flight on all replicas."""
+        return sum(s.inflight for s in self.slots)
+
+    @property
+    def capacity(self) -> int:
+        return sum(s.capacity for s in self.slots)
 
     def set_version(self, replica: Replica, version: Optional[str]) -> None:
         for s in self.slots:
@@ -147,7 +177,8 @@ class Router:
             self._cond.notify_all()
 
     def _free(self, eligible) -> Optional[Slot]:
-        return next((s for s in self.slots if eligible(s) and not s.busy), None)
+        """The eligible replica with room and the least load (in flight / capacity; the first of equals)."""
+        return min((s for s in self.slots if eligible(s) and s.open), key=lambda s: s.load, default=None)
 
     def _avoiding(self, eligible, avoid: Replica):
         """`eligible` without `avoid`; NoReplica when no other slot may serve the request (waiting for a slot
@@ -161,27 +192,34 @@ class Router:
 
     @asynccontextmanager
     async def hold(self, slot: Slot) -> AsyncIterator[Slot]:
-        """Drain `slot` and keep it: wait for its request in flight (no deadline: a swap waits as long as the
-        request takes), mark it busy so nothing more is routed to it, release it afterwards. The others serve."""
+        """Drain `slot` and keep it: route it nothing more from now on, wait for its requests in flight (no
+        deadline: a swap waits as long as they take), release it afterwards. The others serve meanwhile."""
         async with self._cond:
-            await self._cond.wait_for(lambda: not slot.busy)
-            slot.busy = True
-        async with self._holding(slot):
+            await self._cond.wait_for(lambda: not slot.held)  # one hold at a time
+            slot.held = True
+        try:
+            async with self._cond:
+                await self._cond.wait_for(lambda: slot.inflight == 0)
             yield slot
+        finally:
+            async with self._cond:
+                slot.held = False
+                self._cond.notify_all()
 
     @asynccontextmanager
-    async def _holding(self, slot: Slot) -> AsyncIterator[Slot]:
-        """`slot` is taken (busy): yield it, then free it and wake the waiting requests."""
+    async def _leased(self, slot: Slot) -> AsyncIterator[Slot]:
+        """One request on `slot` (counted in its inflight): yield it, then release it and wake the waiters."""
         try:
             yield slot
         finally:
             async with self._cond:
-                slot.busy = False
+                slot.inflight -= 1
                 self._cond.notify_all()
 
     @asynccontextmanager
     async def lease(self, head: Optional[str] = None, avoid: Optional[Replica] = None) -> AsyncIterator[Slot]:
-        """A free replica for one request (waiting in the bounded queue if none is free); never `avoid`."""
+        """The least-loaded eligible replica with room for one request (waiting in the bounded queue if none has
+        room); never `avoid`."""
         eligible = self._pool(head)
         if avoid is not None:
             eligible = self._avoiding(eligible, avoid)
@@ -189,7 +227,7 @@ class Router:
             slot = self._free(eligible)
             if slot is None:
                 if self.waiting >= self.queue_size:
-                    raise QueueFull(f"all {sum(map(eligible, self.slots))} eligible replicas are busy and "
+                    raise QueueFull(f"all {sum(map(eligible, self.slots))} eligible replicas are full and "
                                     f"{self.waiting} requests already wait (queue_size {self.queue_size}); retry later")
                 deadline = asyncio.get_running_loop().time() + self.wait_timeout_s
                 self.waiting += 1
@@ -209,6 +247,6 @@ class Router:
                         slot = self._free(eligible)
                 finally:
                     self.waiting -= 1
-            slot.busy = True
-        async with self._holding(slot):
+            slot.inflight += 1
+        async with self._leased(slot):
             yield slot

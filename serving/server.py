@@ -1,15 +1,17 @@
 """DecodeServer: one replica, Ray-free. A backend, a capture sampler and an optional store writer.
 
-Owns: running one request at a time on the replica's decode thread (`stream` on the caller's
-thread under a lock; `astream` on a single worker thread, so an event loop stays responsive while
-the replica decodes), text deltas (the backend's, whose engine cuts stop strings; for a backend
+Owns: running up to `max_inflight` requests at once, its backend's capacity (the reference engine: one;
+SGLang: what its continuous batching runs at once), each on its own decode thread (`stream` on the
+caller's thread once a slot is free; `astream` on the replica's pool of `max_inflight` decode threads, so
+an event loop stays responsive while the replica decodes), text deltas (the backend's, whose engine cuts stop strings; for a backend
 that gives tokens only (SGLang) the core's `TextStream` makes them: adaptive_eagle.stopping is the
 one home of stop strings), capture (decide after the request, `StoreWriter.put` never blocks or raises), the
 speculative metrics of each response, counters and status, the hot-swap entry point
 `swap_head(version) -> SwapResult` and the one-replica canary `set_canary(version, fraction)`. Must not touch: HTTP, routing, Ray (actor.py is the shell).
 
-A swap runs while a request decodes: the engine binds a request's head when it starts, so the
-request in flight finishes on its head and the next one uses the new head. The swap's own work
+A swap runs while requests decode: the engine binds a request's head when it starts, so the
+requests in flight finish on their head and the next ones use the new head (SGLang's backend drains
+its server instead, as SGLang's own weight-update lock does). The swap's own work
 (read and check the version, prepare it for the target) runs on the replica's swap thread at a
 lower CPU priority (nice +PREPARE_NICE, Linux), so on a busy machine it takes the cores the decode
 thread leaves idle instead of stretching the in-flight request's steps.
@@ -78,8 +80,11 @@ class DecodeServer:
         owns_writer: `close` closes it too (a server built by serving.replicas)."""
         self.backend, self.writer, self.name, self.owns_writer = backend, writer, name, owns_writer
         self.sampler = CaptureSampler(capture or CapturePolicy(enabled=False))
-        self._decode_lock = threading.Lock()  # one request at a time per replica
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"decode-{name}")
+        self.max_inflight = int(getattr(backend, "max_inflight", 1))
+        if self.max_inflight < 1:
+            raise ValueError(f"backend {backend.name}: max_inflight must be >= 1, got {self.max_inflight}")
+        self._slots = threading.BoundedSemaphore(self.max_inflight)  # requests decoding at once
+        self._executor = ThreadPoolExecutor(self.max_inflight, thread_name_prefix=f"decode-{name}")
         self._swapper = ThreadPoolExecutor(1, thread_name_prefix=f"swap-{name}", initializer=lower_priority)
         self._lock = threading.Lock()
         self._c = {"running": 0, "waiting": 0, "served": 0, "refused": 0, "failed": 0, "cancelled": 0,
@@ -91,9 +96,10 @@ class DecodeServer:
 
     # ---- requests -----------------------------------------------------------------------------
     def stream(self, request: DecodeRequest, cancel: Optional[threading.Event] = None) -> Iterator[Event]:
-        """Run one request on the caller's thread: Started (or Refused), Delta*, then Finished."""
+        """Run one request on the caller's thread once one of the replica's max_inflight slots is free:
+        Started (or Refused), Delta*, then Finished."""
         self._count("waiting")
-        with self._decode_lock:
+        with self._slots:
             self._count("waiting", -1)
             self._count("running")
             try:
@@ -177,7 +183,7 @@ class DecodeServer:
         return last
 
     async def astream(self, request: DecodeRequest) -> AsyncIterator[Event]:
-        """`stream` on the replica's decode thread; the caller's event loop stays free. Leaving the
+        """`stream` on one of the replica's decode threads; the caller's event loop stays free. Leaving the
         iteration early cancels the request between verify steps."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -244,10 +250,10 @@ class DecodeServer:
         return ServerStatus(replica=self.name, head_version=self.backend.head_version, backend=self.backend.name,
                             running=c["running"], waiting=c["waiting"], served=c["served"], refused=c["refused"],
                             failed=c["failed"], cancelled=c["cancelled"], capture=capture, store=store,
-                            info=self.backend.info(), pid=os.getpid())
+                            info=self.backend.info(), pid=os.getpid(), max_inflight=self.max_inflight)
 
     def close(self) -> None:
-        """Stop the decode thread (after the request in flight), then the backend's resources; the writer
+        """Stop the decode threads (after the requests in flight), then the backend's resources; the writer
         belongs to the caller unless the server owns it."""
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._swapper.shutdown(wait=True, cancel_futures=True)

@@ -9,9 +9,12 @@ the new head. Must not touch: sglang's Python package (this module talks HTTP; o
 imports sglang), the wire format itself (sglang_protocol.py), the engine, the decode and swap threads
 and capture (server.py).
 
-A swap, step by step (`swap_head`): read and check the version's files; drain (wait for the request in
-flight: SGLang would also hold new requests and drain the running ones while it updates weights, so a
-swap is a pause, never a flip); if the head can be loaded in place (same config and draft vocabulary
+Requests: many at once (up to `SGLangConfig.inflight_limit`, by default what SGLang itself batches), so
+SGLang's continuous batching sees the replica's whole load; the server (DecodeServer) bounds how many.
+
+A swap, step by step (`swap_head`): read and check the version's files; drain (new requests wait, the
+requests in flight finish: SGLang's tokenizer manager does the same with its model_update_lock, readers
+for generate and the writer for a weight update, so a swap is a pause, never a flip); if the head can be loaded in place (same config and draft vocabulary
 as the head the server was launched with), checksum target and draft, load the draft in one session
 labelled with the version, checksum again and keep it only if the target is unchanged and the draft
 changed as the files say it must; otherwise, or when the session is refused or its result rejected,
@@ -52,7 +55,11 @@ from serving.sglang_swap import DraftWeights, WeightSession, hot_swap_blocker
 # launch flags this config sets itself: extra_args may not repeat them
 MANAGED_FLAGS = ("--model-path", "--host", "--port", "--speculative-algorithm", "--speculative-draft-model-path",
                  "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
-                 "--weight-version", "--tp-size", "--enable-metrics", "--incremental-streaming-output")
+                 "--weight-version", "--tp-size", "--enable-metrics", "--incremental-streaming-output",
+                 "--max-running-requests")
+# what an SGLang 0.5.23 EAGLE-3 server runs at once when --max-running-requests is not given: its
+# speculative_hook._handle_eagle_family sets max_running_requests=48 (test_sglang_contract.py reads it)
+EAGLE_MAX_RUNNING_REQUESTS = 48
 
 
 class SGLangConfig(BaseModel):
@@ -76,6 +83,12 @@ class SGLangConfig(BaseModel):
     extra_args: tuple[str, ...] = Field((), description="more launch_server arguments, passed as given")
     timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one request (a swap's drain included)")
     max_prompt_tokens: Optional[int] = Field(None, ge=1)
+    max_running_requests: Optional[int] = Field(None, ge=1, description="--max-running-requests: the requests "
+                                                "SGLang batches at once; None: SGLang's own default "
+                                                f"({EAGLE_MAX_RUNNING_REQUESTS} for EAGLE-3)")
+    max_inflight: Optional[int] = Field(None, ge=1, description="requests this replica sends SGLang at once (more "
+                                        "wait in the replica's queue); None: what SGLang runs at once "
+                                        "(max_running_requests, else its EAGLE-3 default)")
     launch: bool = Field(False, description="start sglang.launch_server as a child of the replica (stopped when "
                          "the replica closes, restarted by a swap that cannot load in place); False: the server "
                          "is started separately and such swaps are refused")
@@ -89,6 +102,11 @@ class SGLangConfig(BaseModel):
         if taken:
             raise ValueError(f"extra_args repeats {', '.join(taken)}: set the matching sglang field instead")
         return args
+
+    @property
+    def inflight_limit(self) -> int:
+        """Requests in flight at once on this replica: max_inflight, else what SGLang batches."""
+        return self.max_inflight or self.max_running_requests or EAGLE_MAX_RUNNING_REQUESTS
 
     @property
     def base_url(self) -> str:
@@ -108,6 +126,8 @@ class SGLangConfig(BaseModel):
                 "--enable-metrics"]
         if self.tp_size > 1:
             args += ["--tp-size", str(self.tp_size)]
+        if self.max_running_requests is not None:
+            args += ["--max-running-requests", str(self.max_running_requests)]
         if self.incremental_streaming:
             args.append("--incremental-streaming-output")
         return args + list(self.extra_args)
@@ -147,38 +167,43 @@ def stop_process(proc, wait_s: float = 30.0) -> None:
 
 
 class Gate:
-    """The server is used by one request or one swap at a time, and a swap that waits goes before any request
-    that arrives after it (a plain lock could let a stream of requests starve it)."""
+    """Many requests at once, or one swap: SGLang's own model-update lock, mirrored (its tokenizer manager holds
+    a readers-writer lock, requests read and a weight update writes, so running requests drain and new ones
+    wait). A swap that waits goes before any request that arrives after it (a stream of requests must not
+    starve it). How many requests run at once is the server's to bound (DecodeServer, max_inflight)."""
 
     def __init__(self) -> None:
-        self._cond, self._busy, self._swaps_waiting = threading.Condition(), False, 0
+        self._cond, self._running, self._swapping, self._swaps_waiting = threading.Condition(), 0, False, 0
+
+    @property
+    def running(self) -> int:
+        return self._running
 
     @contextmanager
     def request(self):
         with self._cond:
-            self._cond.wait_for(lambda: not self._busy and not self._swaps_waiting)
-            self._busy = True
+            self._cond.wait_for(lambda: not self._swapping and not self._swaps_waiting)
+            self._running += 1
         try:
             yield
         finally:
-            self._release()
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
 
     @contextmanager
     def swap(self):
         with self._cond:
             self._swaps_waiting += 1
-            self._cond.wait_for(lambda: not self._busy)
+            self._cond.wait_for(lambda: not self._swapping and not self._running)
             self._swaps_waiting -= 1
-            self._busy = True
+            self._swapping = True
         try:
             yield
         finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._cond:
-            self._busy = False
-            self._cond.notify_all()
+            with self._cond:
+                self._swapping = False
+                self._cond.notify_all()
 
 
 def _failure_kind(e: Exception) -> str:
@@ -214,8 +239,12 @@ class SGLangBackend:
 
         self.cfg, self.tokenizer, self.registry, self.process, self.spawn = config, tokenizer, registry, process, spawn
         self._version, self.fingerprint = head_version, fingerprint
-        self.client = client or httpx.Client(base_url=config.base_url, timeout=config.timeout_s)
-        self._gate = Gate()  # one request or one swap at a time; a waiting swap goes before new requests
+        self.max_inflight = config.inflight_limit  # DecodeServer runs this many requests at once
+        # one connection per request in flight, and room for a swap's and the status calls (httpx's pool
+        # would otherwise queue streams beyond its default 100 connections)
+        limits = httpx.Limits(max_connections=self.max_inflight + 4, max_keepalive_connections=self.max_inflight + 4)
+        self.client = client or httpx.Client(base_url=config.base_url, timeout=config.timeout_s, limits=limits)
+        self._gate = Gate()  # many requests at once, or one swap; a waiting swap goes before new requests
         self._swap_lock = threading.Lock()
         self._down: Optional[str] = None  # why the server cannot serve (a restart that failed twice)
         self._served_dir = Path(config.draft_model_path)  # the head the draft holds now

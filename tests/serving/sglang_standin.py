@@ -16,11 +16,18 @@ What it imitates, with where upstream does it:
   where `serving.sglang_protocol.named_tensor_payload` builds it, below), and a payload it did not see built
   is refused; test_sglang_contract.py checks the payload's globals against upstream's allow-list by reading
   its opcodes without running them;
-  the draft's loader skips unknown names silently and keeps `d2t` on the model while the serving map
-  stays the one loaded at launch (so a new vocabulary collapses acceptance, output stays the target's).
+  the draft's loader skips unknown names silently; a draft update that carries `d2t` kills the server, as
+  0.5.23's does (the runner moves every tensor to the GPU, LlamaForCausalLMEagle3.load_weights adds a CPU
+  `torch.arange` to it, nothing catches the RuntimeError and the scheduler SIGQUITs its parent): the
+  update's connection drops and the server is gone. The worker's vocabulary map is the launch head's.
   A draft head sent with the "target" (or "all") selector hits the target's loader, which refuses a
   tensor whose shape differs from its parameter of that name. Each update waits for streams in flight.
 - /weights_checker answers per selector with per-tensor checksums, draft names prefixed by the role.
+- Batching (scheduler): up to `--max-running-requests` requests decode at once (48 when the flag is not
+  given: speculative_hook._handle_eagle_family sets it for EAGLE-3), the rest wait in SGLang's queue. The
+  queueing model a bench can turn on (`step_s`, `batch_cost`): every verify step of a request takes
+  step_s * (1 + batch_cost * (running - 1)), so a batch of b requests commits b tokens-per-step in about the
+  time of one, slowed by batch_cost per extra request (a GPU's decode is memory-bound at small batches).
 
 Where it is stricter than upstream, on purpose: any request field or sampling parameter it does not
 implement is refused (upstream ignores unknown request fields silently), and the contract tests check
@@ -34,6 +41,7 @@ import base64
 import hashlib
 import json
 import threading
+import time
 
 import httpx
 import torch
@@ -52,6 +60,7 @@ FIELDS = {
 }
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "sampling_seed", "stop"}
 SELECTORS = ("target", "draft", "all")
+EAGLE_MAX_RUNNING_REQUESTS = 48  # speculative_hook._handle_eagle_family, when --max-running-requests is unset
 # the globals an update payload may use (a subset of upstream's allow-list) and the one upstream redirects to
 # a weights-only load; test_sglang_contract.py reads them from the payload's opcodes and checks both
 ALLOWED_GLOBALS = {("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict")}
@@ -87,6 +96,7 @@ def parse_launch_args(args: list[str]) -> argparse.Namespace:
     for flag in ("--port", "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens"):
         p.add_argument(flag, type=int, required=True)
     p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--incremental-streaming-output", action="store_true")
@@ -143,7 +153,7 @@ class SGLangStandIn:
         self.num_steps, self.num_draft_tokens = a.speculative_num_steps, a.speculative_num_draft_tokens
         saved = load_file(f"{a.speculative_draft_model_path}/{WEIGHTS_FILE}")
         self.draft = {k.replace("midlayer.", "layers.0."): v for k, v in saved.items() if k not in ("d2t", "t2d")}
-        self.serving_d2t = self.model_d2t = saved["d2t"]  # the worker's map is taken once, at launch
+        self.serving_d2t = saved["d2t"]  # the worker's map is taken once, at launch
         self.vocab, hidden = int(saved["t2d"].numel()), int(self.draft["norm.weight"].numel())
         g = torch.Generator().manual_seed(int(hashlib.sha256(a.model_path.encode()).hexdigest()[:8], 16))
         self.target = {"model.embed_tokens.weight": torch.randn(self.vocab, hidden, generator=g),
@@ -154,14 +164,17 @@ class SGLangStandIn:
         self.log: list[tuple[str, str, dict]] = []
         self.abort = self.error_chunk = self.die_after = None
         self.ignore_draft_updates = self.touch_target = False
+        # batching: a scheduler slot per running request (EAGLE-3's default is 48), the queueing model's costs
+        self.max_running = a.max_running_requests or EAGLE_MAX_RUNNING_REQUESTS
+        self.step_s, self.batch_cost = 0.0, 0.0
+        self._sched = threading.Condition()
+        self.running = self.peak_running = 0
 
     # ---- the model: the target decides every token, the draft only how many are accepted per step -------
     def next_token(self, ids: list[int]) -> int:
         return (31 * sum(ids) + 7 * len(ids)) % (self.vocab - 4) + 4
 
     def accepted_per_step(self) -> int:
-        if not torch.equal(self.model_d2t, self.serving_d2t):
-            return 0  # draft ids mapped with another head's vocabulary: nothing is accepted
         return int(self.checksum("draft")["per_engine_checksum"][:8], 16) % (self.num_steps + 1)
 
     # ---- HTTP ----------------------------------------------------------------------------------------
@@ -202,17 +215,20 @@ class SGLangStandIn:
                               content=self._sse(body, sp))
 
     def _sse(self, body, sp):
-        """The request holds the read side of the update lock from its first chunk until its last one is
-        produced (a client may stop reading there)."""
+        """The request holds the read side of the update lock and a running slot from its first chunk until its
+        last one is produced (a client may stop reading there)."""
         self.lock.read()
+        self._admit()
         held = [True]
 
-        def release():
+        def release():  # the request leaves the batch and the lock (once)
             if held.pop() if held else False:
+                self._leave()
                 self.lock.done_reading()
 
         try:
             for n, chunk in enumerate(self._chunks(body, sp, incremental=self.incremental)):
+                self._step()
                 if self.die_after is not None and n >= self.die_after:
                     self.alive = False
                     release()
@@ -223,6 +239,23 @@ class SGLangStandIn:
             yield b"data: [DONE]\n\n"
         finally:
             release()
+
+    # ---- the scheduler's batch ----------------------------------------------------------------------
+    def _admit(self) -> None:
+        """Wait for a running slot (SGLang queues what exceeds max_running_requests)."""
+        with self._sched:
+            self._sched.wait_for(lambda: self.running < self.max_running)
+            self.running += 1
+            self.peak_running = max(self.peak_running, self.running)
+
+    def _leave(self) -> None:
+        with self._sched:
+            self.running -= 1
+            self._sched.notify_all()
+
+    def _step(self) -> None:
+        if self.step_s > 0:
+            time.sleep(self.step_s * (1 + self.batch_cost * (max(self.running, 1) - 1)))
 
     def _chunks(self, body: dict, sp: dict, incremental: bool):
         prompt, n = list(body["input_ids"]), int(sp.get("max_new_tokens", 128))
@@ -322,9 +355,11 @@ class SGLangStandIn:
         if selector in ("draft", "all") and not self.ignore_draft_updates:
             for name, t in named:
                 name = name.replace("midlayer.", "layers.0.")
-                if name == "d2t":
-                    self.model_d2t = t.clone()
-                elif name in self.draft:
+                if "d2t" in name:  # upstream: hot_token_id = loaded_weight (on the GPU) + torch.arange(n) (CPU)
+                    self.alive = False  # RuntimeError -> the scheduler SIGQUITs the server; the answer never comes
+                    raise httpx.RemoteProtocolError("Server disconnected without sending a response. (the stand-in "
+                                                    "died as SGLang 0.5.23 does on a d2t in a draft update)")
+                if name in self.draft:
                     if self.draft[name].shape != t.shape:
                         return f"draft parameter {name}: shape {tuple(self.draft[name].shape)}, got {tuple(t.shape)}"
                     self.draft[name] = t.to(self.draft[name].dtype).clone()

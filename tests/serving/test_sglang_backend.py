@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from serving.backend import RequestError
 from serving.capture import CapturePolicy
@@ -208,18 +209,51 @@ def test_a_head_with_another_draft_vocabulary_is_served_by_a_restart(registry):
     args = host.launches[-1]
     assert args[args.index("--speculative-draft-model-path") + 1] == str(registry.get("v3"))
     assert args[args.index("--weight-version") + 1] == "v3" and len(host.launches) == 2
-    assert torch.equal(host.server.serving_d2t, host.server.model_d2t)  # the new server maps with v3's vocabulary
+    v3_d2t = load_file(str(registry.get("v3") / "model.safetensors"))["d2t"]
+    assert torch.equal(host.server.serving_d2t, v3_d2t)  # the new server maps with v3's vocabulary
     assert server.generate(REQ).spec.head_version == "v3" and backend.info()["counts"]["restart_swaps"] == 1
     assert not any(p == "/begin_weight_update" for _, p, _ in host.log)
 
 
-def test_loading_another_vocabulary_in_place_would_collapse_acceptance(registry):
-    """Why such heads restart: the stand-in keeps the launch vocabulary map, as SGLang 0.5.23's worker does."""
+def test_a_draft_update_never_sends_the_vocabulary_maps_and_the_server_lives_through_swaps_in_a_row(registry):
+    """SGLang 0.5.23 dies on a `d2t` in a draft update (the stand-in too, next test): in-place swaps send the
+    draft's parameters only, and the same server serves after v2, v1, v2 in a row."""
+    host, backend, server = replica(registry)
+    for version in ("v2", "v1", "v2"):
+        res = server.swap_head(version)
+        assert res.ok and "in place" in res.message, res.message
+        assert host.server.alive and server.generate(REQ).spec.head_version == version
+    sent = [name for name, _ in _names_sent(host)]
+    assert sent and not {"d2t", "t2d"} & set(sent) and len(host.launches) == 1
+    assert backend.info()["counts"]["session_swaps"] == 3
+
+
+def _names_sent(host):
+    from tests.serving.sglang_standin import _tensors_of
+
+    for _, path, body in host.log:
+        if path == "/update_weights_from_tensor":
+            yield from _tensors_of(body["serialized_named_tensors"][0])
+
+
+def test_the_stand_in_dies_on_a_d2t_in_a_draft_update_as_upstream_does(registry):
+    """What an update carrying `d2t` does to SGLang 0.5.23 (test_sglang_contract.py reads why from its source):
+    the connection drops and the server is gone."""
+    import httpx
+
+    from serving.sglang_protocol import tensor_update_bodies
     from serving.sglang_swap import DraftWeights, WeightSession
 
     host, backend, _ = replica(registry)
-    error, _ = WeightSession(backend.client).load(DraftWeights.read(registry.get("v3")), "v3")
-    assert error is None and host.server.accepted_per_step() == 0
+    weights = DraftWeights.read(registry.get("v2"))
+    session = WeightSession(backend.client)
+    assert session._step("begin_update", {"selector": "draft"}) is None
+    body = tensor_update_bodies({"d2t": weights.tensors["d2t"]}, "v2", 1, 1 << 20)[-1]
+    with pytest.raises(httpx.RemoteProtocolError):
+        backend.client.post("/update_weights_from_tensor", json=body)
+    assert not host.server.alive
+    with pytest.raises(httpx.ConnectError):
+        backend.client.get("/health")
 
 
 def test_swaps_by_configuration_restart_and_none_or_unknown_versions_are_refused(registry):
