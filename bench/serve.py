@@ -17,6 +17,9 @@ queueing: at 16 clients a request waits for up to 15 others, and its tail (P95 o
 is set by which short answers happened to queue last; decode TPOT and TTFT show the two parts apart.
 Greedy requests, `--max-tokens` each.
 
+`--backend sglang-standin`: instead, the concurrency sweep of one SGLang replica (serialised vs batched)
+against the SGLang stand-in's queueing model; bench/serve_batching.py says what it models.
+
 Same work in both arms: by default the replicas' drafting decisions are pinned (`cost_aware: false`, no
 persisted calibration), so the two gateways, fed the same prompts in the same order, draft the same trees,
 accept the same tokens and differ only by capture. The engine's default cost-aware tree sizing follows the
@@ -204,7 +207,22 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--cost-aware", action="store_true",
                     help="the engine's default timing-driven tree sizing (the arms then draft differently)")
+    ap.add_argument("--backend", choices=("reference", "sglang-standin"), default="reference",
+                    help="sglang-standin: the concurrency sweep of one SGLang replica, serialised vs batched, "
+                         "against the SGLang stand-in's queueing model (bench/serve_batching.py; default levels "
+                         "1,4,16,48)")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="sglang-standin: a verify step's time at batch 1")
+    ap.add_argument("--batch-cost", type=float, default=0.01,
+                    help="sglang-standin: a step's slow-down per extra running request (0.01 = +1%%)")
     args = ap.parse_args()
+    if args.backend == "sglang-standin":
+        from bench.serve_batching import run
+
+        tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+        try:
+            return run(args, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     levels = [int(c) for c in args.concurrency.split(",")]
     per_level = args.requests or (8 if args.quick else 32)
     max_tokens = args.max_tokens or (32 if args.quick else 128)
