@@ -59,3 +59,21 @@ def test_a_head_that_cannot_load_fails_the_build_and_sglang_needs_its_section(st
         ReplicaBuilder(config(stack, initial_head="v9"), "r", 0, make_target)()
     with pytest.raises(ValidationError, match="sglang"):
         ServingConfig(backend="sglang")
+
+
+def test_the_router_is_told_each_replicas_capacity_the_backend_decodes_at_once(stack):
+    """A Ray replica's capacity is computed from its config (the router cannot ask a DecodeServer in another
+    process before it routes): the reference engine one at a time, SGLang what it batches."""
+    from serving.replicas import replica_capacity
+    from serving.sglang_backend import SGLangConfig
+
+    (server,) = build_replicas(config(stack), target_builder=make_target)
+    try:
+        assert replica_capacity(config(stack)) == server.max_inflight == server.status().max_inflight == 1
+    finally:
+        server.close()
+    sg = SGLangConfig(model_path="/m", draft_model_path="/h")
+    assert replica_capacity(config(stack, backend="sglang", sglang=sg)) == 48
+    assert replica_capacity(config(stack, backend="sglang", sglang=sg.model_copy(
+        update={"max_running_requests": 24}))) == 24
+    assert replica_capacity(config(stack, backend="sglang", sglang=sg.model_copy(update={"max_inflight": 6}))) == 6
