@@ -52,7 +52,8 @@ START=$SECONDS
 : > "$OUT/steps.tsv"
 
 summary() {  # summary.json from steps.tsv, preflight.json and sglang_check.json (whatever exists)
-  "$PY" - "$OUT" "$BUDGET_S" "$((SECONDS - START))" <<'EOF' || echo "{\"ok\": false, \"error\": \"no python to write the summary\"}" > "$OUT/summary.json"
+  "$PY" - "$OUT" "$BUDGET_S" "$((SECONDS - START))" <<'EOF' \
+    || echo '{"ok": false, "error": "no python to write the summary"}' > "$OUT/summary.json"
 import json, sys
 from pathlib import Path
 out, budget, wall = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
