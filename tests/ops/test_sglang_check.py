@@ -164,11 +164,14 @@ def standin_replica(tmp_path):
 def test_concurrent_outputs_through_the_sglang_backend_equal_the_sequential_ones(tmp_path):
     mod = load_script()
     host, backend, _ = standin_replica(tmp_path)
+    host.server.step_s = 0.005  # the stand-in's queueing model: each verify step takes time, as on a GPU
     prompts = [[5 + i, 6, 7 + i] for i in range(16)]
     sequential = mod.serve_with(backend, None, prompts, 12, "v1")
     run = mod.concurrent_streams(backend, prompts, 12, timeout_s=60)
     assert run.hung == 0 and not run.errors, run.errors
     assert list(run.outputs) == sequential["outputs"] and all(len(o) == 12 for o in run.outputs)
+    # the replica passes the 16 through to SGLang's batch (the stand-in's scheduler runs up to 48 at once)
+    assert run.overlap > 8 and host.server.peak_running > 8, (run.overlap, host.server.peak_running)
 
 
 def test_three_swaps_in_a_row_keep_the_target_and_each_heads_draft_checksum(tmp_path):
