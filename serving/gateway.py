@@ -319,7 +319,8 @@ class Gateway:
         answers = await self.replica_statuses(METRICS_STATUS_TIMEOUT_S)
         self.metrics.refresh([s for s in answers.values() if s is not None], self.router.waiting, self.router.busy,
                              canary.fraction if canary else 0.0,
-                             replicas_up={name: s is not None for name, s in answers.items()})
+                             replicas_up={name: s is not None for name, s in answers.items()},
+                             inflight=self.router.inflight, capacity=self.router.capacity)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

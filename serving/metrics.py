@@ -138,7 +138,10 @@ class GatewayMetrics:
         self.requests = Counter("ae_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"],
                                 registry=r)
         self.queue_depth = Gauge("ae_queue_depth", "Requests waiting for a free replica", registry=r)
-        self.busy_replicas = Gauge("ae_busy_replicas", "Replicas decoding a request now", registry=r)
+        self.busy_replicas = Gauge("ae_busy_replicas", "Replicas decoding at least one request now", registry=r)
+        self.inflight = Gauge("ae_requests_inflight", "Requests decoding now, on all replicas", registry=r)
+        self.capacity = Gauge("ae_inflight_capacity", "Requests the replicas decode at once (the sum of their "
+                              "max_inflight): ae_requests_inflight / this is the fleet's load", registry=r)
         self.replica_head = Gauge("ae_replica_head_info", "1 for the head version each replica serves",
                                   ["replica", "head_version"], registry=r)
         self.capture = Gauge("ae_capture_records", "Capture decisions per replica (hidden, tokens, skipped, "
@@ -194,14 +197,17 @@ class GatewayMetrics:
             self.accepted_drafts.labels(version, label).inc(accepted)
 
     def refresh(self, statuses: Iterable[ServerStatus], waiting: int, busy: int, canary_fraction: float,
-                replicas_up: Optional[Mapping[str, bool]] = None) -> None:
-        """`statuses`: the replicas that answered; `replicas_up`: every replica by name, whether it answered."""
+                replicas_up: Optional[Mapping[str, bool]] = None, inflight: int = 0, capacity: int = 0) -> None:
+        """`statuses`: the replicas that answered; `replicas_up`: every replica by name, whether it answered;
+        `inflight` / `capacity`: the router's requests in flight and what its replicas take at once."""
         for name, up in (replicas_up or {}).items():
             self.replica_up.labels(name).set(1 if up else 0)
             self.replica_failures.labels(name)  # a series at 0 from the start, so increase() sees the first failure
             self.replica_restarts.labels(name)
         self.queue_depth.set(waiting)
         self.busy_replicas.set(busy)
+        self.inflight.set(inflight)
+        self.capacity.set(capacity)
         self.canary_fraction.set(canary_fraction)
         self.replica_head.clear()
         self.store_state.clear()

@@ -264,7 +264,8 @@ def test_metrics_and_fleet_for_the_policy(gateway, client):
     assert 'ae_verify_steps_total{context="0-512",head_version="v1"}' in text  # short prompts: the first bucket
     assert 'ae_accepted_drafts_total{context="8k+",head_version="v1"} 0.0' in text
     for name in ("ae_time_per_output_token_seconds", "ae_tokens_per_second", "ae_queue_depth",
-                 'ae_replica_head_info{head_version="v1",replica="replica-0"} 1.0', "ae_capture_dropped"):
+                 'ae_replica_head_info{head_version="v1",replica="replica-0"} 1.0', "ae_capture_dropped",
+                 f"ae_inflight_capacity {float(gw.router.capacity)}", "ae_requests_inflight 0.0"):
         assert name in text, name
     fleet = gw.fleet  # driven from this (non-loop) thread, as a policy controller would
     samples = fleet.live_samples("v1")
