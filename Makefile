@@ -79,3 +79,9 @@ rehearsal: setup redis-server prometheus
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# `ray up` for real on this machine: ops/local-cluster.yaml (head 127.0.0.2, worker 127.0.0.3 over SSH), traffic,
+# the worker node lost and back, `ray down` (bench/cluster.py; as root: it installs sshd and a node user)
+.PHONY: cluster
+cluster: setup
+	$(PY) bench/cluster.py --quick

@@ -6,7 +6,8 @@
 #   node.sh setup       [--venv DIR] [--extras serve,store] [--torch SPEC] [--python 3.11] [--sglang]
 #                       [--efs fs-ID|ssm:NAME --mount DIR]
 #   node.sh head-setup  --config STACK.yaml [--venv DIR]
-#   node.sh head-start  --config STACK.yaml [--venv DIR] [--secrets ssm|file:PATH] [--ray-tmpdir DIR] [-- RAY START ARGS]
+#   node.sh head-start  --config STACK.yaml [--venv DIR] [--secrets ssm|file:PATH] [--ray-tmpdir DIR]
+#                       [--autoscaler v1|v2] [-- RAY START ARGS]
 #   node.sh worker-start                    [--venv DIR] [--ray-tmpdir DIR] [-- RAY START ARGS]
 #   node.sh stop        [--venv DIR]      this node's stack and Ray processes only (never `ray stop`)
 #   node.sh provision   --config STACK.yaml [--venv DIR]   (part of head-setup) target + seed head on the shared fs
@@ -45,6 +46,7 @@ MOUNT="/mnt/efs"
 CONFIG=""
 SECRETS="ssm"
 RAY_TMP=""
+AUTOSCALER=""   # v1 | v2 | "" (Ray's default: RAY_enable_autoscaler_v2, ray._config.enable_autoscaler_v2)
 NODE_IP=""
 RAY_ARGS=()
 BOTO3_SPEC='boto3>=1.34,<2'   # the AWS node provider imports boto3 in the Python that runs `ray start --head`
@@ -67,6 +69,7 @@ parse() {
       --config) CONFIG=$2; shift 2 ;;
       --secrets) SECRETS=$2; shift 2 ;;
       --ray-tmpdir) RAY_TMP=$2; shift 2 ;;
+      --autoscaler) AUTOSCALER=$2; shift 2 ;;
       --node-ip) NODE_IP=$2; shift 2 ;;
       --) shift; RAY_ARGS=("$@"); break ;;
       *) die "unknown option $1 (see the top of ops/scripts/node.sh)" ;;
@@ -75,6 +78,14 @@ parse() {
   VENV=${VENV/#\~/$HOME}
   if [ -n "$CONFIG" ]; then case "$CONFIG" in /*) ;; *) CONFIG="$REPO/$CONFIG" ;; esac; fi
   if [ -n "$RAY_TMP" ]; then mkdir -p "$RAY_TMP"; export RAY_TMPDIR="$RAY_TMP"; fi
+  # services.py start_monitor runs autoscaler/v2/monitor.py when the v2 autoscaler is enabled, else the v1
+  # autoscaler/_private/monitor.py; the environment variable is read by `ray start` (ray._config)
+  case "$AUTOSCALER" in
+    v1) export RAY_enable_autoscaler_v2=0 ;;
+    v2) export RAY_enable_autoscaler_v2=1 ;;
+    "") ;;
+    *) die "--autoscaler: v1 or v2, got $AUTOSCALER" ;;
+  esac
 }
 
 node_ip() {
@@ -123,21 +134,33 @@ stop_pidfile() {
 # launch PIDFILE LOG CMD...: start CMD detached from the ssh session (own session), record ITS pid
 launch() {
   local file=$1 log=$2; shift 2
-  setsid bash -c 'echo $$ > "$0"; exec "$@"' "$file" "$@" > "$log" 2>&1 < /dev/null &
+  setsid bash -c 'echo $$ > "$0"; exec "$@"' "$file" "$@" > "$log" 2>&1 < /dev/null 7>&- &
   local i; for ((i = 0; i < 50; i++)); do [ -s "$file" ] && return 0; sleep 0.1; done
   die "could not start $* (see $log)"
 }
 
 # --- this node's Ray processes ---------------------------------------------------------------------------
-# Ray's processes of a node carry its address as an argument: raylet, gcs_server and the workers
-# `--node_ip_address=IP` / `--node-ip-address=IP`, log_monitor/agents the same (argument match, not substring:
-# 127.0.0.2 does not match 127.0.0.20). The `ray start` CLI itself is excluded (it has exited by then).
+# `ray start` runs in a session of its own (setsid); every process it starts keeps that session id (Ray does
+# not call setsid for its children: gcs_server, raylet, monitor.py, the client server, the dashboard, and the
+# raylet's agents and workers, whose argv setproctitle rewrites to `ray::IDLE`, all share it), recorded in
+# ray.sid. Processes that carry the node's address as an argument (`--node-ip-address=IP` /
+# `--node_ip_address=IP`, an exact argument: 127.0.0.2 does not match 127.0.0.20) count too.
+ray_start() {  # ray_start ARGS...: `ray start` in its own session, the session id recorded
+  setsid --wait bash -c 'echo $$ > "$0"; exec "$@"' "$(state_dir)/ray.sid" "$VENV/bin/ray" start "$@" 7>&-
+}
+
 own_ray_pids() {
-  local ip pid args
+  local ip sid="" pid args stat
   ip=$(node_ip)
+  [ -s "$(state_dir)/ray.sid" ] && sid=$(cat "$(state_dir)/ray.sid")
   for pid in $(ls /proc | grep -E '^[0-9]+$'); do
     [ "$pid" = $$ ] && continue
     [ -O "/proc/$pid" ] || continue
+    if [ -n "$sid" ] && stat=$(cat "/proc/$pid/stat" 2>/dev/null); then
+      stat=${stat##*) }   # after "pid (comm) ": state ppid pgrp session ...
+      set -- $stat
+      if [ "${4:-}" = "$sid" ]; then echo "$pid"; continue; fi
+    fi
     args=$(tr '\0' '\n' < "/proc/$pid/cmdline" 2>/dev/null) || continue
     if grep -qxE -- "--node[-_]ip[-_]address=${ip//./\\.}" <<< "$args"; then echo "$pid"; fi
   done
@@ -146,16 +169,17 @@ own_ray_pids() {
 stop_own_ray() {
   local pids i
   pids=$(own_ray_pids | tr '\n' ' ')
-  [ -n "${pids// }" ] || return 0
-  say "Ray processes of this node: SIGTERM to $pids"
-  kill -TERM $pids 2>/dev/null || true
-  for ((i = 0; i < 150; i++)); do
-    pids=$(own_ray_pids | tr '\n' ' ')
-    [ -n "${pids// }" ] || return 0
-    sleep 0.2
-  done
-  say "still running: SIGKILL to $pids"
-  kill -KILL $pids 2>/dev/null || true
+  if [ -n "${pids// }" ]; then
+    say "Ray processes of this node: SIGTERM to $pids"
+    kill -TERM $pids 2>/dev/null || true
+    for ((i = 0; i < 150; i++)); do
+      pids=$(own_ray_pids | tr '\n' ' ')
+      [ -n "${pids// }" ] || break
+      sleep 0.2
+    done
+    if [ -n "${pids// }" ]; then say "still running: SIGKILL to $pids"; kill -KILL $pids 2>/dev/null || true; fi
+  fi
+  rm -f "$(state_dir)/ray.sid"
 }
 
 # --- setup (every node) ----------------------------------------------------------------------------------
@@ -300,9 +324,14 @@ stop_stack() {
   stop_pidfile "$st/redis.pid" "redis-server" "redis-server"
 }
 
+# one start or stop of a node at a time (Ray's autoscaler restarts a node without heartbeat by running its
+# start command again, which may meet an operator's): fd 7, closed in everything a start leaves running
+node_lock() { exec 7> "$(state_dir)/start.lock"; flock 7; }
+
 cmd_head_start() {
   [ -n "$CONFIG" ] || die "head-start: --config STACK.yaml is required"
   local ip st; ip=$(node_ip); st=$(state_dir)
+  node_lock
   load_secrets
   stop_stack       # a second `ray up` replaces the stack: its parts stop and free their ports first
   stop_own_ray
@@ -314,10 +343,10 @@ cmd_head_start() {
   redis-server "$st/redis-auth.conf" --port 0 --tls-port 6380 --bind "$ip" \
     --tls-cert-file "$tls/redis.crt" --tls-key-file "$tls/redis.key" --tls-ca-cert-file "$tls/ca.crt" \
     --tls-auth-clients no --dir "$redis_dir" --appendonly yes --daemonize yes \
-    --pidfile "$st/redis.pid" --logfile "$st/redis.log"
+    --pidfile "$st/redis.pid" --logfile "$st/redis.log" 7>&-
   local i; for ((i = 0; i < 50; i++)); do pid_alive "$st/redis.pid" redis-server && break; sleep 0.1; done
   pid_alive "$st/redis.pid" redis-server || die "redis-server did not start (see $st/redis.log)"
-  "$VENV/bin/ray" start --head --node-ip-address="$ip" --port=6379 \
+  ray_start --head --node-ip-address="$ip" --port=6379 \
     --autoscaling-config="$HOME/ray_bootstrap_config.yaml" "${RAY_ARGS[@]}"
   export RAY_ADDRESS="$ip:6379"   # ray.address: auto in the stack config finds this cluster
   "$VENV/bin/adaptive-eagle" up --check --config "$CONFIG"
@@ -346,12 +375,13 @@ cmd_watch() {
 cmd_worker_start() {
   local ip; ip=$(node_ip)
   [ -n "${RAY_HEAD_IP:-}" ] || die "worker-start: RAY_HEAD_IP is not set (Ray's updater exports it on workers)"
+  node_lock
   stop_own_ray
-  "$VENV/bin/ray" start --address="$RAY_HEAD_IP:6379" --node-ip-address="$ip" "${RAY_ARGS[@]}"
+  ray_start --address="$RAY_HEAD_IP:6379" --node-ip-address="$ip" "${RAY_ARGS[@]}"
   say "worker started: Ray $ip, head $RAY_HEAD_IP"
 }
 
-cmd_stop() { stop_stack; stop_own_ray; }
+cmd_stop() { node_lock; stop_stack; stop_own_ray; }
 
 main() {
   local cmd=${1:-}; shift || true

@@ -41,7 +41,8 @@ STUBS = {
     # `ray start` leaves a process that carries the node's address, as raylet and gcs_server do
     "venv/bin/ray": f"""echo "ray $*" >> "$HOME/calls.log"
 for a in "$@"; do case "$a" in --node-ip-address=*) ip=${{a#*=}};; esac; done
-nohup {STUB_SLEEP} raylet-stand-in --node_ip_address=$ip >/dev/null 2>&1 &""",
+nohup {STUB_SLEEP} raylet-stand-in --node_ip_address=$ip >/dev/null 2>&1 &
+nohup {STUB_SLEEP} monitor-stand-in >/dev/null 2>&1 &  # as monitor.py: no node address, the session's""",
     "venv/bin/adaptive-eagle": f"""echo "adaptive-eagle $*" >> "$HOME/calls.log"
 [ "$1 $2" = "up --check" ] && exit 0
 exec {STUB_SLEEP} adaptive-eagle "$@" """,
@@ -176,6 +177,21 @@ def test_worker_start_uses_the_head_address_ray_exports_and_this_nodes_own_addre
     assert done.returncode == 0, done.stdout + done.stderr
     calls = (node_home / "calls.log").read_text()
     assert f"ray start --address=127.0.0.8:6379 --node-ip-address={NODE_IP} --object-manager-port=8076" in calls
+    sid = (state(node_home) / "ray.sid").read_text().strip()
+    session = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _session(p) == sid]
+    assert any(b"monitor-stand-in" in (p / "cmdline").read_bytes() for p in session)
+    stop = run_line(node_home, f"bash ~/adaptive-eagle/ops/scripts/node.sh stop --venv {node_home}/venv")
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    time.sleep(0.5)
+    left = [p for p in session if p.exists() and not _zombie(int(p.name))]
+    assert not left and not (state(node_home) / "ray.sid").exists()  # everything `ray start` started is gone
+
+
+def _session(proc: Path) -> str | None:
+    try:
+        return proc.joinpath("stat").read_text().rsplit(") ", 1)[1].split()[3]
+    except (OSError, IndexError):
+        return None
 
 
 def test_a_placeholder_efs_id_is_refused_with_what_to_set(node_home):
@@ -211,7 +227,7 @@ def test_sglang_nodes_get_python_dev_headers_and_the_head_installs_boto3_into_it
     assert '"$VENV/bin/python" -m pip install -q "$BOTO3_SPEC"' in body and "import boto3" in body
     assert "BOTO3_SPEC='boto3>=1.34,<2'" in text
     start = text.split("cmd_head_start() {")[1].split("\n}\n")[0]
-    assert '"$VENV/bin/ray" start --head' in start  # the same $VENV
+    assert "ray_start --head" in start and '"$VENV/bin/ray" start "$@"' in text  # the same $VENV
 
 
 def test_provision_puts_target_and_seed_head_at_the_configs_paths_once_when_two_nodes_run_it(tmp_path):

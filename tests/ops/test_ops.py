@@ -69,7 +69,7 @@ def test_cluster_nodes_run_python_3_11_and_a_second_ray_up_replaces_the_stack():
     bare = re.compile(r"(?<![/\w'\"$-])(ray (start|stop)|adaptive-eagle up|python3? -m pip)")
     assert not [line for line in node_sh.splitlines() if bare.search(line.split("#")[0])]
     start = node_sh.split("cmd_head_start() {")[1].split("\n}\n")[0]
-    assert start.index("stop_stack") < start.index("ray\" start") < start.index("up --check") < start.index("launch ")
+    assert start.index("stop_stack") < start.index("ray_start --head") < start.index("up --check") < start.index("launch ")
 
 
 def exported_metrics() -> set[str]:
