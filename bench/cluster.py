@@ -178,6 +178,29 @@ def ssh(ip: str, command: str, check: bool = True, timeout: float = 300) -> subp
                           stdin=subprocess.DEVNULL)
 
 
+PLACEMENT = """
+import json, ray
+from ray._private import state
+ray.init(address="{head}:6379", _node_ip_address="{head}", logging_level="ERROR", log_to_driver=False)
+alive = [a for a in state.actors().values() if a["State"] == "ALIVE"]
+print("PLACEMENT " + json.dumps(sorted([a["ActorClassName"], a["Address"]["IPAddress"]] for a in alive)))
+"""
+
+
+def placement(head: str) -> dict:
+    """Where Ray placed the stack's actors (class -> node addresses), read from the GCS's actor table on the head.
+    The gateway and the policy run in `adaptive-eagle up` itself, on the head node."""
+    script = PLACEMENT.format(head=head)
+    done = ssh(head, f"RAY_TMPDIR=/tmp/ae-local ~/ae-venv/bin/python -c {shlex.quote(script)}", check=False, timeout=120)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PLACEMENT ")), None)
+    if line is None:
+        return {"error": (done.stdout + done.stderr)[-300:]}
+    where: dict[str, list[str]] = {}
+    for cls, ip in json.loads(line.split(" ", 1)[1]):
+        where.setdefault(cls, []).append(ip)
+    return where
+
+
 def node_user_processes() -> list[str]:
     """Every process of the node user still running (after `ray down`, nothing may be)."""
     import psutil
@@ -279,6 +302,8 @@ def run(a: argparse.Namespace) -> dict:
         figures["ready_s"] = round(wait_ready(traffic, a.ready_timeout_s), 1)
         print(f"first answer {figures['ready_s']} s after ray up returned; traffic from {a.clients} clients",
               flush=True)
+        figures["placement"] = placement(head)
+        print(f"placement: {figures['placement']}", flush=True)
         for t in traffic.threads:
             t.start()
         time.sleep(a.before_s)
@@ -299,6 +324,7 @@ def run(a: argparse.Namespace) -> dict:
         while traffic.first_ok_after(t_back if t_back is not None else t_loss) is None and time.monotonic() < deadline:
             time.sleep(1.0)
         print(f"answered again {time.monotonic() - t_loss:.1f} s after the loss", flush=True)
+        figures["placement_after_recovery"] = placement(head)
         time.sleep(a.after_s)
     finally:
         if traffic is not None:

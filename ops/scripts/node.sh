@@ -320,7 +320,7 @@ load_secrets() {
 stop_stack() {
   local st; st=$(state_dir)
   stop_pidfile "$st/watch.pid" "node.sh" "watcher"
-  stop_pidfile "$st/up.pid" "adaptive-eagle" "adaptive-eagle up"
+  stop_pidfile "$st/up.pid" "adaptive-eagle up --config" "adaptive-eagle up"
   stop_pidfile "$st/redis.pid" "redis-server" "redis-server"
 }
 
@@ -364,7 +364,7 @@ cmd_watch() {
     if [ "$gone" -ge 3 ]; then
       say "this node's Ray is gone: stopping the stack"
       local st; st=$(state_dir)
-      stop_pidfile "$st/up.pid" "adaptive-eagle" "adaptive-eagle up"
+      stop_pidfile "$st/up.pid" "adaptive-eagle up --config" "adaptive-eagle up"
       stop_pidfile "$st/redis.pid" "redis-server" "redis-server"
       rm -f "$st/watch.pid"; exit 0
     fi
