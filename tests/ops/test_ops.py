@@ -72,6 +72,42 @@ def test_cluster_nodes_run_python_3_11_and_a_second_ray_up_replaces_the_stack():
     assert start.index("stop_stack") < start.index("ray_start --head") < start.index("up --check") < start.index("launch ")
 
 
+def test_the_local_cluster_runs_the_cloud_clusters_node_script_and_a_valid_stack(monkeypatch):
+    """ops/local-cluster.yaml (bench/cluster.py runs it with `ray up`) makes the same node.sh calls as
+    ops/cluster.yaml, per step, so the cloud file cannot drift from the one that runs here; its stack config is
+    a valid StackConfig whose replicas need the worker's resource and whose trainer needs the head's."""
+    jsonschema = pytest.importorskip("jsonschema")
+    ray = pytest.importorskip("ray")
+    import json
+
+    from loop.config import load_stack_config
+
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    local = yaml.safe_load((OPS / "local-cluster.yaml").read_text())
+    jsonschema.validate(local, schema)
+    cloud = yaml.safe_load((OPS / "cluster.yaml").read_text())
+    assert local["provider"]["type"] == "local" and local["provider"]["head_ip"].startswith("127.0.0.")
+
+    def steps(cluster: dict, key: str) -> list[str]:
+        lines = cluster.get(key) or []
+        assert all(c.startswith("bash ~/adaptive-eagle/ops/scripts/node.sh ") for c in lines), (key, lines)
+        return [c.split()[2] for c in lines]
+
+    for key in ("setup_commands", "head_setup_commands", "head_start_ray_commands", "worker_start_ray_commands"):
+        assert steps(local, key) == steps(cloud, key), key
+    assert steps(cloud, "worker_setup_commands") == ["setup"] and steps(local, "worker_setup_commands") == []
+    (head_start,) = local["head_start_ray_commands"]
+    (worker_start,) = local["worker_start_ray_commands"]
+    assert "ae_head" in head_start and "ae_replica" in worker_start  # the local provider gets no resource override
+    env = {"AE_ADMIN_TOKEN": "a", "AE_API_KEY": "b", "AE_REDIS_PASSWORD": "c", "AE_REDIS_HOST": "127.0.0.2"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_stack_config(OPS / "local.yaml")
+    assert cfg.ray.address == "auto" and cfg.ray.replica_resources == {"ae_replica": 1}
+    assert cfg.trainer.resources == {"ae_head": 1} and cfg.store.backend == "redis" and cfg.store.tls
+    assert cfg.serving.host == local["provider"]["head_ip"]
+
+
 def exported_metrics() -> set[str]:
     """Every metric name the gateway's /metrics can show: its own, and the loop's (stack: trainer, policy)."""
     from loop.metrics import LoopCollector, LoopWatcher
