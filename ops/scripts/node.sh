@@ -90,13 +90,13 @@ parse() {
 
 node_ip() {
   if [ -z "$NODE_IP" ]; then
-    local conn=(${SSH_CONNECTION:-})
+    local conn; read -r -a conn <<< "${SSH_CONNECTION:-}"
     if [ ${#conn[@]} -ge 3 ]; then NODE_IP=${conn[2]}; else NODE_IP=$(hostname -I | awk '{print $1}'); fi
   fi
   echo "$NODE_IP"
 }
 
-state_dir() { local d="$HOME/.adaptive-eagle/node-$(node_ip)"; mkdir -p "$d"; echo "$d"; }
+state_dir() { local d; d="$HOME/.adaptive-eagle/node-$(node_ip)"; mkdir -p "$d"; echo "$d"; }
 
 # --- pidfiles --------------------------------------------------------------------------------------------
 # pid_alive FILE WORD: the pid in FILE runs and its argv contains WORD (a recycled pid of another program,
@@ -153,7 +153,8 @@ own_ray_pids() {
   local ip sid="" pid args stat
   ip=$(node_ip)
   [ -s "$(state_dir)/ray.sid" ] && sid=$(cat "$(state_dir)/ray.sid")
-  for pid in $(ls /proc | grep -E '^[0-9]+$'); do
+  for pid in /proc/[0-9]*; do
+    pid=${pid#/proc/}
     [ "$pid" = $$ ] && continue
     [ -O "/proc/$pid" ] || continue
     if [ -n "$sid" ] && stat=$(cat "/proc/$pid/stat" 2>/dev/null); then
@@ -216,7 +217,8 @@ mount_shared() {
 
 cmd_setup() {
   exec 9> "$HOME/.adaptive-eagle-setup.lock"; flock 9   # two nodes on one disk: one at a time
-  apt_install $(python_packages)
+  local packages; read -r -a packages <<< "$(python_packages)"
+  apt_install "${packages[@]}"
   mount_shared
   [ -x "$VENV/bin/python" ] || "python$PYV" -m venv "$VENV"
   "$VENV/bin/python" -c 'import sys; assert sys.version_info >= (3, 11), sys.version'
@@ -225,12 +227,17 @@ cmd_setup() {
   if [ ! -e "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q -U pip
     [ -n "$TORCH" ] && "$VENV/bin/python" -m pip install -q "$TORCH"
-    "$VENV/bin/python" -m pip install -q -e "$REPO[$EXTRAS]"
+    "$VENV/bin/python" -m pip install -q -e "${REPO}[${EXTRAS}]"
     rm -f "$VENV"/.ae-installed-*; touch "$stamp"
   fi
   # the venv first on PATH for what Ray itself runs later in its login shells (`ray stop` in `ray down`)
+  # first line: Debian's and Ubuntu's ~/.bashrc return early for non-interactive shells (`sed 1i` would add
+  # nothing to an empty file)
   touch "$HOME/.bashrc"
-  grep -q "$VENV/bin" "$HOME/.bashrc" || sed -i "1i export PATH=\"$VENV/bin:\$PATH\"" "$HOME/.bashrc"
+  if ! grep -qF "export PATH=\"$VENV/bin:" "$HOME/.bashrc"; then
+    { printf 'export PATH="%s/bin:$PATH"\n' "$VENV"; cat "$HOME/.bashrc"; } > "$HOME/.bashrc.ae-$$"
+    mv "$HOME/.bashrc.ae-$$" "$HOME/.bashrc"
+  fi
   say "setup done: $VENV ($("$VENV/bin/python" --version)), extras [$EXTRAS]"
 }
 

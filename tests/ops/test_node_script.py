@@ -278,3 +278,31 @@ def test_prod_check_finds_the_provisioned_paths():
     assert "--config ~/adaptive-eagle/ops/prod.yaml" in line
     assert stack["serving"]["target"] == stack["serving"]["sglang"]["model_path"]
     assert Path(stack["registry"]["seed_head"]).name in {p.name for p in (REPO / "heads").iterdir()}
+
+
+def test_node_setup_run_twice_at_once_builds_one_venv_and_one_path_line(tmp_path):
+    """Two nodes on one disk run `node.sh setup` at the same moment (the local cluster's head and worker share
+    ~aenode): one flock for the whole step, every step checks before it acts, so there is one venv and one PATH
+    line. The package install is skipped by its stamp (the real one runs in bench/cluster.py); apt is answered by
+    a dpkg-query stand-in saying the Python packages are installed."""
+    import hashlib
+
+    venv = tmp_path / "ae-venv"
+    venv.mkdir()
+    digest = hashlib.sha1((REPO / "pyproject.toml").read_bytes() + b"serve,store \n").hexdigest()[:12]
+    (venv / f".ae-installed-{digest}").touch()
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "dpkg-query").write_text("#!/usr/bin/env bash\necho -n 'install ok installed'\n")
+    (stubs / "dpkg-query").chmod(0o755)
+    env = {**os.environ, "HOME": str(tmp_path), "PATH": f"{stubs}:{os.environ['PATH']}"}
+    cmd = ["bash", str(NODE_SH), "setup", "--venv", str(venv), "--extras", "serve,store", "--node-ip", NODE_IP]
+    runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs
+    assert all("setup done" in o for o in outs)
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.prefix)"], capture_output=True,
+                          text=True, check=True)
+    assert Path(done.stdout.strip()) == venv
+    assert (tmp_path / ".bashrc").read_text().count(f'export PATH="{venv}/bin:$PATH"') == 1
