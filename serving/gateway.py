@@ -140,7 +140,9 @@ class Gateway:
                 if name not in self._silent:  # logged when it stops answering (ae_replica_up shows every scrape)
                     self._silent.add(name)
                     log.warning("status of %s failed: %s", name, e)
+                self.router.replica_failed(slot.replica)  # routed to last until it answers again
                 return None
+            self.router.replica_ok(slot.replica)
             if name in self._silent:
                 self._silent.discard(name)
                 log.info("%s answers its status again", name)
@@ -241,6 +243,7 @@ class Gateway:
             except BaseException:  # the client left (cancelled): not the replica's fault, and nothing to answer
                 await stack.aclose()
                 raise
+            self.router.replica_ok(replica)
             rest = self._guarded(replica, events, req.request_id)
             stack.push_async_callback(rest.aclose)  # closed before the replica's stream (last in, first out)
             return ReplicaStream(first, rest, stack)
@@ -260,6 +263,7 @@ class Gateway:
         log.warning("replica %s failed while serving request %s: %s: %s", replica.name, rid,
                     type(error).__name__, error)
         self.metrics.replica_failures.labels(replica.name).inc()
+        self.router.replica_failed(replica)  # routed to last while it may be gone
 
     @staticmethod
     def _unavailable(replica: Replica, error: Exception) -> Refused:
@@ -291,6 +295,7 @@ class Gateway:
         return {"replicas": [s.to_json() for s in await self.statuses()],
                 "serving_versions": self.router.serving_versions(), "champion": self.fleet.champion,
                 "canary": None if canary is None else canary.to_json(),
+                "suspect_replicas": self.router.suspects(),
                 "queue": {"waiting": self.router.waiting, "busy": self.router.busy, "inflight": self.router.inflight,
                           "capacity": self.router.capacity, "size": self.config.queue_size}}
 

@@ -87,6 +87,9 @@ class RayReplica:
         return await self.handle.status.remote()
 
 
+SUSPECT_MAX_S = 30.0  # the longest a failed replica is routed to last before it is tried like the others again
+
+
 class QueueFull(Exception):
     """Every eligible replica is full and the wait queue is full (or the wait timed out)."""
 
@@ -102,6 +105,8 @@ class Slot:
     capacity: int = 1  # requests it takes at once (the replica's max_inflight)
     inflight: int = 0  # requests leased to it now
     held: bool = False  # drained for a swap: nothing new is routed to it
+    failures: int = 0  # consecutive failures (a request it failed, a status it did not answer)
+    suspect_until: float = 0.0  # loop time until which it is routed to only when no healthy replica may serve
 
     @property
     def open(self) -> bool:
@@ -177,8 +182,34 @@ class Router:
             self._cond.notify_all()
 
     def _free(self, eligible) -> Optional[Slot]:
-        """The eligible replica with room and the least load (in flight / capacity; the first of equals)."""
-        return min((s for s in self.slots if eligible(s) and s.open), key=lambda s: s.load, default=None)
+        """The eligible replica with room and the least load (in flight / capacity; the first of equals), a
+        healthy one before a suspect one (a replica that just failed: its node may be gone, and an idle dead
+        replica would otherwise have the least load and take every new request)."""
+        now = asyncio.get_running_loop().time()
+        return min((s for s in self.slots if eligible(s) and s.open),
+                   key=lambda s: (s.suspect_until > now, s.load), default=None)
+
+    # ---- health ---------------------------------------------------------------------------------
+    def replica_failed(self, replica: Replica) -> None:
+        """`replica` failed a request or a status call: routed to last for a cool-down that doubles with each
+        failure in a row (1 s, 2 s, ... SUSPECT_MAX_S), until it serves or answers again. Never taken out of
+        the pool: with no healthy replica left it is still tried (a fast 503 beats waiting for nothing)."""
+        now = asyncio.get_running_loop().time()
+        for s in self.slots:
+            if s.replica is replica:
+                s.failures += 1
+                s.suspect_until = now + min(SUSPECT_MAX_S, 2.0 ** (s.failures - 1))
+
+    def replica_ok(self, replica: Replica) -> None:
+        """`replica` served a request or answered its status: healthy again."""
+        for s in self.slots:
+            if s.replica is replica:
+                s.failures, s.suspect_until = 0, 0.0
+
+    def suspects(self) -> list[str]:
+        """The replicas routed to last now."""
+        now = asyncio.get_running_loop().time()
+        return [s.replica.name for s in self.slots if s.suspect_until > now]
 
     def _avoiding(self, eligible, avoid: Replica):
         """`eligible` without `avoid`; NoReplica when no other slot may serve the request (waiting for a slot

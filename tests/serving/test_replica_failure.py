@@ -131,10 +131,33 @@ def test_a_replica_failing_before_its_first_event_is_retried_once_on_another_rep
         data = sse_data(stream.iter_lines())
     assert stream.status_code == 200 and data[-1] == "[DONE]"
     assert "".join(map(text_of, data)) == "hello world"
-    assert (broken.calls, good.calls) == (2, 2)
-    assert sample(http, "ae_replica_failures_total", replica="broken") == 2
+    assert (broken.calls, good.calls) == (1, 2)  # after its failure the broken replica is routed to last
+    assert sample(http, "ae_replica_failures_total", replica="broken") == 1
     assert sample(http, "ae_replica_failures_total", replica="good") == 0
     assert sample(http, "ae_requests_total", endpoint=CHAT, status="200") == 2
+
+
+def test_a_failed_replica_is_routed_to_last_until_it_answers_again(serve):
+    """An idle replica whose node is gone has the least load: without the cool-down it would take, and fail,
+    the first try of every new request. It is routed to last until it serves or answers its status again."""
+    broken, good = StandIn("broken", "before"), StandIn("good")
+    broken.status = _silent_status
+    http = serve(broken, good)
+    for _ in range(4):
+        assert http.post(CHAT, json=chat_body()).status_code == 200
+    # tried at most once (the gateway's start-up status round may have found it silent already), never again
+    assert broken.calls <= 1 and good.calls == 4
+    assert sample(http, "ae_replica_up", replica="broken") == 0  # the scrape asked it: still silent
+    assert http.get("/admin/status", headers={"Authorization": "Bearer t"}).json()["suspect_replicas"] == ["broken"]
+    broken.fail, broken.status = "never", StandIn("x").status  # its node came back
+    assert sample(http, "ae_replica_up", replica="broken") == 1  # answered: healthy again
+    calls = broken.calls
+    assert http.post(CHAT, json=chat_body()).status_code == 200 and broken.calls == calls + 1  # idle: first again
+    assert http.get("/admin/status", headers={"Authorization": "Bearer t"}).json()["suspect_replicas"] == []
+
+
+async def _silent_status():
+    raise ReplicaDied("status: the actor is gone")
 
 
 def test_a_retry_without_another_replica_or_failing_again_answers_503(serve):
@@ -162,6 +185,7 @@ def test_a_replica_failing_after_a_delta_answers_503_or_an_sse_error_event_and_i
     resp = http.post(CHAT, json=chat_body())
     err = resp.json()["error"]
     assert resp.status_code == 503 and err["code"] == "replica_unavailable" and "flaky" in err["message"]
+    http.get("/metrics")  # flaky answers its status: healthy again, first of the two idle replicas again
     with http.stream("POST", CHAT, json=chat_body(stream=True)) as stream:
         data = sse_data(stream.iter_lines())  # a reset connection would raise here
     assert stream.status_code == 200 and data[-1] == "[DONE]"
@@ -169,6 +193,7 @@ def test_a_replica_failing_after_a_delta_answers_503_or_an_sse_error_event_and_i
     err = json.loads(data[-2])["error"]
     assert err["code"] == "replica_unavailable" and "flaky" in err["message"] and "retry" in err["message"]
     assert (flaky.calls, good.calls) == (2, 0)  # tokens were decoded: never replayed elsewhere
+    http.get("/metrics")
     assert http.post(CHAT, json=chat_body()).status_code == 503  # the same connection still answers
     assert sample(http, "ae_replica_failures_total", replica="flaky") == 3
     assert sample(http, "ae_requests_total", endpoint=CHAT, status="503") == 3
