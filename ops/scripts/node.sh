@@ -9,6 +9,8 @@
 #   node.sh head-start  --config STACK.yaml [--venv DIR] [--secrets ssm|file:PATH] [--ray-tmpdir DIR]
 #                       [--autoscaler v1|v2] [-- RAY START ARGS]
 #   node.sh worker-start                    [--venv DIR] [--ray-tmpdir DIR] [-- RAY START ARGS]
+#   node.sh restart-up  --config STACK.yaml [--venv DIR] [--secrets ssm|file:PATH]   the head's stack only
+#                       (`adaptive-eagle up`), Redis and Ray left running (on-call: ops/RUNBOOK.md GatewayDown)
 #   node.sh stop        [--venv DIR]      this node's stack and Ray processes only (never `ray stop`)
 #   node.sh provision   --config STACK.yaml [--venv DIR]   (part of head-setup) target + seed head on the shared fs
 #
@@ -364,6 +366,20 @@ cmd_head_start() {
   say "head started: Redis $ip:6380 (TLS, AUTH), Ray $ip:6379, the stack pid $(cat "$st/up.pid") (log $st/up.log)"
 }
 
+cmd_restart_up() {
+  [ -n "$CONFIG" ] || die "restart-up: --config STACK.yaml is required"
+  local ip st; ip=$(node_ip); st=$(state_dir)
+  node_lock
+  load_secrets
+  local ray; ray=$(own_ray_pids)
+  [ -n "$ray" ] || die "this node's Ray is not running: use head-start (or ray up)"
+  stop_pidfile "$st/up.pid" "adaptive-eagle up --config" "adaptive-eagle up"
+  export RAY_ADDRESS="$ip:6379"
+  "$VENV/bin/adaptive-eagle" up --check --config "$CONFIG"
+  launch "$st/up.pid" "$st/up.log" "$VENV/bin/adaptive-eagle" up --config "$CONFIG"
+  say "the stack restarted: pid $(cat "$st/up.pid") (log $st/up.log); Redis and Ray kept running"
+}
+
 cmd_watch() {
   local gone=0
   while :; do
@@ -398,10 +414,11 @@ main() {
     head-setup) cmd_head_setup ;;
     provision) cmd_provision ;;
     head-start) cmd_head_start ;;
+    restart-up) cmd_restart_up ;;
     worker-start) cmd_worker_start ;;
     stop) cmd_stop ;;
     _watch) cmd_watch ;;
-    *) die "usage: node.sh setup|head-setup|provision|head-start|worker-start|stop [options] (see the top of ops/scripts/node.sh)" ;;
+    *) die "usage: node.sh setup|head-setup|provision|head-start|restart-up|worker-start|stop [options] (see the top of ops/scripts/node.sh)" ;;
   esac
 }
 

@@ -156,6 +156,29 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def test_restart_up_replaces_only_the_stack_and_leaves_ray_and_redis_running(node_home):
+    """ops/RUNBOOK.md GatewayDown: on-call restarts `adaptive-eagle up` alone; the head's Ray (and with it the
+    cluster) and Redis keep running. With no Ray on the node it refuses and says to use head-start."""
+    st = state(node_home)
+    line = cluster_line(node_home, "head_start_ray_commands")
+    assert run_line(node_home, line).returncode == 0
+    up, redis = int((st / "up.pid").read_text()), int((st / "redis.pid").read_text())
+    calls_before = (node_home / "calls.log").read_text().count("ray start")
+    restart = (f"bash ~/adaptive-eagle/ops/scripts/node.sh restart-up --venv {node_home}/venv "
+               f"--config {node_home}/stack.yaml --secrets ssm")
+    try:
+        done = run_line(node_home, restart)
+        assert done.returncode == 0, done.stdout + done.stderr
+        new_up = int((st / "up.pid").read_text())
+        assert new_up != up and (not Path(f"/proc/{up}").exists() or _zombie(up))
+        assert Path(f"/proc/{redis}").exists() and not _zombie(redis)  # Redis kept running
+        assert (node_home / "calls.log").read_text().count("ray start") == calls_before  # Ray was not restarted
+    finally:
+        run_line(node_home, f"bash ~/adaptive-eagle/ops/scripts/node.sh stop --venv {node_home}/venv")
+    refused = run_line(node_home, restart)
+    assert refused.returncode != 0 and "head-start" in refused.stderr
+
+
 def test_node_stop_ends_only_this_nodes_processes(node_home):
     """`node.sh stop` (and a node's start) ends the processes of its own --node-ip-address, never another node's
     on the same machine (`ray stop` would end both)."""
