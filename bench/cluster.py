@@ -1,28 +1,37 @@
 """`ray up` for real on one machine: ops/local-cluster.yaml (Ray's local provider, a head node at 127.0.0.2 and
-a worker node at 127.0.0.3, reached over SSH), the same node script (ops/scripts/node.sh) as ops/cluster.yaml,
-then traffic through the gateway, the worker node lost and brought back mid-traffic, and `ray down`.
+two worker nodes at 127.0.0.3 and 127.0.0.4, reached over SSH), the same node script (ops/scripts/node.sh) as
+ops/cluster.yaml, then traffic through the gateway, one worker node lost and brought back mid-traffic while the
+other keeps serving, and `ray down`.
 
 What runs (all real): Debian's sshd on the two loopback addresses (its own config, host key and pid file under
 WORK), a node user `aenode` (passwordless sudo, as `ubuntu` on the cloud image) with a generated key, `ray up -y`
 (which runs the setup and start commands of the file over SSH on the head; the head's autoscaler does the same
 on the worker), Redis with TLS and AUTH on the head, `adaptive-eagle up --config ops/local.yaml` on the head
-(gateway, trainer, policy: ae_head), one reference replica on the worker (ae_replica). The node user is not
-root, so the `ray stop` of `ray down` ends this cluster's Ray processes and nobody else's on the machine.
+(gateway, trainer, policy: ae_head), two reference replicas as in ops/prod.yaml, one on each worker (each has
+`ae_replica: 1`). The node user is not root, so the `ray stop` of `ray down` ends this cluster's Ray processes
+and nobody else's on the machine.
 
-Phases: up (`ray up` returns: `ray_up_s`; the first answered request: `ready_s`); traffic (`--clients` threads,
-the official `openai` client with a timeout and no client retries, against the gateway); node loss (the worker
-node's own Ray processes stopped by `node.sh stop` over SSH, mid-traffic); node back (by default Ray's own
-autoscaler restarts Ray on a node without heartbeat, through the cluster file's worker start command;
-`--restart bench` runs that command itself after `--down-s`; `node_loss_recovered_s`: from the loss to the
-first answer to a request sent after it); traffic after; `ray down -y`, then nothing of the run may be left
+Phases: up (`ray up` returns: `ray_up_s`; the first answered request: `ready_s`; then every replica answers its
+status, and where each runs: `replicas`, replica -> node, matched by process id between the gateway's
+/admin/status and Ray's actor table); traffic (`--clients` threads, the official `openai` client with a timeout
+and no client retries, against the gateway); node loss (the Ray processes of the worker node that hosts
+`--lose` (replica-0) stopped by `node.sh stop` over SSH, mid-traffic: `lost_node`; the other replica keeps
+serving); node back (by default Ray's own autoscaler restarts Ray on a node without heartbeat, through the
+cluster file's worker start command; `--restart bench` runs that command itself after `--down-s`;
+`node_loss_recovered_s`: from the loss until the lost replica answers its status from a new process and has
+served a request; `first_answer_after_loss_s`: the first answer to a request sent after the loss, from either
+replica); traffic after; the gateway's replica failures and restarts read from its /metrics (a replica failure
+the client never saw was retried on the other replica); `ray down -y`, then nothing of the run may be left
 (no raylet, gcs_server, adaptive-eagle up, redis-server or any other process of the node user within
 `--down-wait-s`: `ray_down_clean`).
 
 A request is failed when it ends with an error (a 5xx or a refused connection: clean, counted by kind), hung when
-it reaches the client's timeout. In flight on the lost node = started before the loss, failed after it.
-Prints a table and ends with one JSON line. `--quick` (about 10 minutes, less when the node venv exists) is the
-short version; the full run is not part of `make test`. Run as root on a machine where nothing else listens on
-127.0.0.2:8000 / :6379 / :6380 or 127.0.0.3:22.
+it reaches the client's timeout. In flight on the lost node = started before the loss, failed after it; while
+the node was down = started after the loss, before the lost replica served again (with two replicas: 0, the
+other replica takes them); `failed_beyond_in_flight` = all failed but those in flight. Prints a table and ends
+with one JSON line. `--quick` (about 10 minutes, less when the node venv exists) is the short version; the full
+run is not part of `make test`. Run as root on a machine where nothing else listens on 127.0.0.2:8000 / :6379 /
+:6380 or 127.0.0.2-4:22.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,14 +86,17 @@ def check_args(a: argparse.Namespace) -> argparse.Namespace:
     return a
 
 
-def summarize(reqs: list[Request], t_loss: float | None, t_restart: float | None = None) -> dict:
+def summarize(reqs: list[Request], t_loss: float | None, t_restart: float | None = None,
+              t_recovered: float | None = None) -> dict:
     """The run's request figures. In flight on the lost node: started before `t_loss`, failed after it. While
-    down: failed, started after the loss and before the first answer to a request started after it (or after
-    `t_restart`, when the bench restarted the node itself). `node_loss_recovered_s`: from the loss to that answer."""
+    down: failed, started after the loss and before the node was back: `t_recovered` (the lost replica served
+    again, seen by the bench) when given, else the first answer to a request started after the loss (or after
+    `t_restart`, when the bench restarted the node itself). `node_loss_recovered_s`: from the loss to then."""
     failed = [r for r in reqs if not r.ok]
     since = t_restart if t_restart is not None else t_loss
     answers = sorted(r.end for r in reqs if r.ok and since is not None and r.start >= since)
-    back = answers[0] if answers else None
+    first = min((r.end for r in reqs if r.ok and t_loss is not None and r.start >= t_loss), default=None)
+    back = t_recovered if t_recovered is not None else (answers[0] if answers else None)
     in_flight = [r for r in failed if t_loss is not None and r.start < t_loss <= r.end]
     down = [r for r in failed if t_loss is not None and r.start >= t_loss and (back is None or r.start < back)]
     other = [r for r in failed if r not in in_flight and r not in down]
@@ -95,8 +108,10 @@ def summarize(reqs: list[Request], t_loss: float | None, t_restart: float | None
         "requests": len(reqs), "ok_requests": len(reqs) - len(failed), "failed_requests": len(failed),
         "hung_requests": sum(r.kind == "hung" for r in reqs),
         "failed_in_flight_on_lost_node": len(in_flight), "failed_while_node_down": len(down),
-        "failed_other": len(other), "failed_by_kind": dict(sorted(kinds.items())),
+        "failed_other": len(other), "failed_beyond_in_flight": len(failed) - len(in_flight),
+        "failed_by_kind": dict(sorted(kinds.items())),
         "node_loss_recovered_s": round(back - t_loss, 2) if back is not None and t_loss is not None else None,
+        "first_answer_after_loss_s": round(first - t_loss, 2) if first is not None else None,
         "restart_to_recovered_s": round(back - t_restart, 2) if back is not None and t_restart is not None else None,
         "latency_p50_s": round(ok[len(ok) // 2], 3) if ok else None,
         "latency_max_s": round(ok[-1], 3) if ok else None,
@@ -183,22 +198,83 @@ import json, ray
 from ray._private import state
 ray.init(address="{head}:6379", _node_ip_address="{head}", logging_level="ERROR", log_to_driver=False)
 alive = [a for a in state.actors().values() if a["State"] == "ALIVE"]
-print("PLACEMENT " + json.dumps(sorted([a["ActorClassName"], a["Address"]["IPAddress"]] for a in alive)))
+print("PLACEMENT " + json.dumps(sorted([a["ActorClassName"], a["Address"]["IPAddress"], a["Pid"]] for a in alive)))
 """
 
 
-def placement(head: str) -> dict:
-    """Where Ray placed the stack's actors (class -> node addresses), read from the GCS's actor table on the head.
-    The gateway and the policy run in `adaptive-eagle up` itself, on the head node."""
+@dataclass(frozen=True)
+class Placement:
+    """Where Ray placed the stack's live actors: class -> node addresses, and replica name -> node address
+    (a replica's process id from the gateway's /admin/status found in Ray's actor table: one machine, so a pid
+    names one process of one node)."""
+
+    actors: dict[str, list[str]]
+    replicas: dict[str, str]
+
+
+def place(rows: list[list], statuses: list[dict]) -> Placement:
+    """`rows`: [class, ip, pid] per live actor (the actor table); `statuses`: /admin/status's replicas."""
+    actors: dict[str, list[str]] = {}
+    for cls, ip, _ in sorted(rows):
+        actors.setdefault(cls, []).append(ip)
+    node_of = {pid: ip for _, ip, pid in rows}
+    return Placement(actors, {s["replica"]: node_of.get(s.get("pid"), "unknown") for s in sorted(
+        statuses, key=lambda s: s["replica"])})
+
+
+def actor_rows(head: str) -> list[list]:
+    """The live actors' [class, node address, pid], read from the GCS's actor table on the head. The gateway and
+    the policy run in `adaptive-eagle up` itself, on the head node."""
     script = PLACEMENT.format(head=head)
     done = ssh(head, f"RAY_TMPDIR=/tmp/ae-local ~/ae-venv/bin/python -c {shlex.quote(script)}", check=False, timeout=120)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("PLACEMENT ")), None)
     if line is None:
-        return {"error": (done.stdout + done.stderr)[-300:]}
-    where: dict[str, list[str]] = {}
-    for cls, ip in json.loads(line.split(" ", 1)[1]):
-        where.setdefault(cls, []).append(ip)
-    return where
+        raise RuntimeError(f"no actor table from the head: {(done.stdout + done.stderr)[-300:]}")
+    return json.loads(line.split(" ", 1)[1])
+
+
+class Admin:
+    """The gateway's /admin/status (the admin token from the secrets file) and /metrics."""
+
+    def __init__(self, base: str, token: str) -> None:
+        self.base, self.token = base, token
+
+    def replicas(self) -> list[dict]:
+        """The replicas that answer their status now (one whose node is gone is left out)."""
+        req = urllib.request.Request(f"{self.base}/admin/status", headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)["replicas"]
+
+    def counters(self, name: str) -> dict[str, float]:
+        """`name{replica="X"} N` lines of /metrics as {X: N} (ae_replica_failures_total, ae_replica_restarts_total)."""
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=30) as r:
+            return metric_by_replica(r.read().decode(), name)
+
+
+def metric_by_replica(text: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and 'replica="' in line:
+            out[line.split('replica="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def wait_replicas(admin: Admin, n: int, timeout_s: float) -> list[dict]:
+    """Until `n` replicas answer their status (the worker nodes joined, each replica loaded its target)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            answering = admin.replicas()
+        except OSError:
+            answering = []
+        if len(answering) >= n or time.monotonic() > deadline:
+            return answering
+        time.sleep(2.0)
+
+
+def replica_back(statuses: list[dict], name: str, old_pid: int | None) -> bool:
+    """`name` answers from a new process (Ray restarted its actor on the node that came back) and has served."""
+    return any(s["replica"] == name and s.get("pid") != old_pid and s.get("served", 0) >= 1 for s in statuses)
 
 
 def node_user_processes() -> list[str]:
@@ -280,51 +356,88 @@ def ray_cmd(*args: str, log: Path, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+def await_recovery(admin: Admin, name: str, old_pid: int | None, timeout_s: float) -> float | None:
+    """Until replica `name` serves again from a new process (monotonic time), None after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if replica_back(admin.replicas(), name, old_pid):
+                return time.monotonic()
+        except OSError:  # the gateway busy or restarting: asked again a second later
+            pass
+        time.sleep(1.0)
+    return None
+
+
+def lose_node(a: argparse.Namespace, cluster: dict, node: str, figures: dict) -> tuple[float, float | None]:
+    """Stop `node`'s Ray processes (node.sh stop over SSH); with --restart bench start it again after --down-s.
+    Returns (the loss, the bench's restart or None) in monotonic seconds."""
+    t_loss, t_restart = time.monotonic(), None
+    stop = ssh(node, "bash ~/adaptive-eagle/ops/scripts/node.sh stop --venv ~/ae-venv")
+    figures["node_stop_s"] = round(time.monotonic() - t_loss, 1)
+    print(f"worker node {node}: its Ray processes stopped ({figures['node_stop_s']} s)\n{stop.stdout[-600:]}",
+          flush=True)
+    if a.restart == "bench":  # the node's start command from the cluster file, as Ray's updater runs it
+        time.sleep(a.down_s)
+        (start_line,) = cluster["worker_start_ray_commands"]
+        t_restart = time.monotonic()
+        head = cluster["provider"]["head_ip"]
+        back = ssh(node, f"export RAY_HEAD_IP={head}; {start_line}")  # util.py with_head_node_ip's prefix
+        print(f"worker node started again ({time.monotonic() - t_restart:.1f} s)\n{back.stdout[-300:]}", flush=True)
+    else:  # Ray's autoscaler restarts it (autoscaler.py: "No recent heartbeat, restarting Ray to recover")
+        print(f"waiting for Ray's autoscaler to start worker node {node} again", flush=True)
+    return t_loss, t_restart
+
+
+def up_and_place(a: argparse.Namespace, head: str, stack: dict, log: Path, figures: dict) -> tuple[Admin, Traffic, list]:
+    """`ray up`, the first answer, every replica answering, where each runs (into `figures`)."""
+    print(f"ray up -y {CLUSTER.relative_to(REPO)} (log {log})", flush=True)
+    figures["ray_up_s"] = round(ray_cmd("up", "-y", "--no-config-cache", "--disable-usage-stats",
+                                        str(CLUSTER), log=log, timeout=a.ready_timeout_s), 1)
+    print(f"ray up: {figures['ray_up_s']} s", flush=True)
+    t_up = time.monotonic()
+    secret = dict(line.split("=", 1) for line in (WORK / "secrets.env").read_text().split())
+    base = f"http://{stack['serving']['host']}:{stack['serving']['port']}"
+    admin = Admin(base, secret["AE_ADMIN_TOKEN"])
+    traffic = Traffic(f"{base}/v1", secret["AE_API_KEY"], a.clients, a.max_tokens, a.request_timeout_s)
+    figures["ready_s"] = round(wait_ready(traffic, a.ready_timeout_s), 1)
+    answering = wait_replicas(admin, stack["serving"]["replicas"], a.ready_timeout_s)
+    figures["replicas_ready_s"] = round(time.monotonic() - t_up, 1)
+    where = place(actor_rows(head), answering)
+    figures["placement"], figures["replicas"] = where.actors, where.replicas
+    admin.counters("ae_replica_restarts_total")  # a scrape records each replica's pid: a later new one is a restart
+    print(f"first answer {figures['ready_s']} s after ray up returned, {len(answering)} replicas answering after "
+          f"{figures['replicas_ready_s']} s; placement {where.actors}; replicas {where.replicas}", flush=True)
+    return admin, traffic, answering
+
+
 def run(a: argparse.Namespace) -> dict:
     cluster = yaml.safe_load(CLUSTER.read_text())
-    head, worker = cluster["provider"]["head_ip"], cluster["provider"]["worker_ips"][0]
+    head, workers = cluster["provider"]["head_ip"], cluster["provider"]["worker_ips"]
     stack = yaml.safe_load((REPO / "ops" / "local.yaml").read_text())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "ray.log"
     sshd = prepare_host(cluster)
     figures: dict = {"cpu": cpu_name(), "clients": a.clients, "max_tokens": a.max_tokens, "quick": a.quick,
-                     "restart": a.restart}
-    traffic, t_loss, t_back = None, None, None
+                     "restart": a.restart, "workers": workers, "replicas_configured": stack["serving"]["replicas"]}
+    admin, traffic, t_loss, t_restart, t_back = None, None, None, None, None
     try:
-        print(f"ray up -y {CLUSTER.relative_to(REPO)} (log {log})", flush=True)
-        figures["ray_up_s"] = round(ray_cmd("up", "-y", "--no-config-cache", "--disable-usage-stats",
-                                            str(CLUSTER), log=log, timeout=a.ready_timeout_s), 1)
-        print(f"ray up: {figures['ray_up_s']} s", flush=True)
-        key = dict(line.split("=", 1) for line in (WORK / "secrets.env").read_text().split())["AE_API_KEY"]
-        base = f"http://{stack['serving']['host']}:{stack['serving']['port']}/v1"
-        traffic = Traffic(base, key, a.clients, a.max_tokens, a.request_timeout_s)
-        figures["ready_s"] = round(wait_ready(traffic, a.ready_timeout_s), 1)
-        print(f"first answer {figures['ready_s']} s after ray up returned; traffic from {a.clients} clients",
-              flush=True)
-        figures["placement"] = placement(head)
-        print(f"placement: {figures['placement']}", flush=True)
+        admin, traffic, answering = up_and_place(a, head, stack, log, figures)
+        lost = figures["replicas"].get(a.lose)
+        if lost not in workers:
+            raise RuntimeError(f"--lose {a.lose}: not on a worker node ({figures['replicas']})")
+        figures["lost_replica"], figures["lost_node"] = a.lose, lost
+        old_pid = next((s.get("pid") for s in answering if s["replica"] == a.lose), None)
         for t in traffic.threads:
             t.start()
         time.sleep(a.before_s)
-        t_loss = time.monotonic()
-        stop = ssh(worker, "bash ~/adaptive-eagle/ops/scripts/node.sh stop --venv ~/ae-venv")
-        figures["node_stop_s"] = round(time.monotonic() - t_loss, 1)
-        print(f"worker node {worker}: its Ray processes stopped ({figures['node_stop_s']} s)\n{stop.stdout[-600:]}",
-              flush=True)
-        if a.restart == "bench":  # the node's start command from the cluster file, as Ray's updater runs it
-            time.sleep(a.down_s)
-            (start_line,) = cluster["worker_start_ray_commands"]
-            t_back = time.monotonic()
-            back = ssh(worker, f"export RAY_HEAD_IP={head}; {start_line}")  # util.py with_head_node_ip's prefix
-            print(f"worker node started again ({time.monotonic() - t_back:.1f} s)\n{back.stdout[-300:]}", flush=True)
-        else:  # Ray's autoscaler restarts it (autoscaler.py: "No recent heartbeat, restarting Ray to recover")
-            print("waiting for Ray's autoscaler to start the worker node again", flush=True)
-        deadline = time.monotonic() + a.ready_timeout_s
-        while traffic.first_ok_after(t_back if t_back is not None else t_loss) is None and time.monotonic() < deadline:
-            time.sleep(1.0)
-        print(f"answered again {time.monotonic() - t_loss:.1f} s after the loss", flush=True)
-        figures["placement_after_recovery"] = placement(head)
+        t_loss, t_restart = lose_node(a, cluster, lost, figures)
+        t_back = await_recovery(admin, a.lose, old_pid, a.ready_timeout_s)
+        print(f"{a.lose} served again {time.monotonic() - t_loss:.1f} s after the loss" if t_back else
+              f"{a.lose} did not serve again within {a.ready_timeout_s:g} s", flush=True)
+        where = place(actor_rows(head), admin.replicas())
+        figures["placement_after_recovery"], figures["replicas_after_recovery"] = where.actors, where.replicas
         time.sleep(a.after_s)
     finally:
         if traffic is not None:
@@ -332,28 +445,43 @@ def run(a: argparse.Namespace) -> dict:
             for t in traffic.threads:
                 if t.is_alive():
                     t.join(a.request_timeout_s + 5)
-        try:
-            (out / "up.log").write_text(ssh(head, f"cat ~/.adaptive-eagle/node-{head}/up.log", check=False).stdout)
-        except Exception:  # noqa: BLE001 - a log copy never stops the teardown
-            pass
-        t0 = time.monotonic()
-        try:
-            figures["ray_down_s"] = round(ray_cmd("down", "-y", str(CLUSTER), log=log, timeout=600), 1)
-        except Exception as e:  # noqa: BLE001 - counted: ray_down_clean says what was left
-            figures["ray_down_error"] = str(e)
-        left = node_user_processes()
-        while left and time.monotonic() - t0 < a.down_wait_s:
-            time.sleep(1.0)
-            left = node_user_processes()
-        figures["ray_down_clean"] = not left and "ray_down_error" not in figures
-        figures["left_running"] = left
-        for line in left:  # clean up for the next run; counted above
-            subprocess.run(["kill", "-9", line.split()[0]], check=False)
+        teardown(a, head, admin, out, log, figures)
         sshd.terminate()
         sshd.wait(10)
     if traffic is not None:
-        figures.update(summarize(traffic.records, t_loss, t_back))
+        figures.update(summarize(traffic.records, t_loss, t_restart, t_back))
+        zero = t_loss if t_loss is not None else 0.0  # each request's times from the loss (to read with the logs)
+        (out / "requests.jsonl").write_text("".join(json.dumps({
+            "client": r.client, "start_s": round(r.start - zero, 2), "end_s": round(r.end - zero, 2),
+            "kind": r.kind}) + "\n" for r in traffic.records))
     return figures
+
+
+def teardown(a: argparse.Namespace, head: str, admin: Admin | None, out: Path, log: Path, figures: dict) -> None:
+    """The gateway's replica counters and the stack's log copied, then `ray down` and nothing left running."""
+    try:
+        if admin is not None:  # a replica failure no client saw was retried on the other replica
+            figures["replica_failures"] = admin.counters("ae_replica_failures_total")
+            figures["replica_restarts"] = admin.counters("ae_replica_restarts_total")
+    except OSError as e:
+        figures["replica_failures"] = f"unread: {e}"
+    try:
+        (out / "up.log").write_text(ssh(head, f"cat ~/.adaptive-eagle/node-{head}/up.log", check=False).stdout)
+    except Exception:  # noqa: BLE001 - a log copy never stops the teardown
+        pass
+    t0 = time.monotonic()
+    try:
+        figures["ray_down_s"] = round(ray_cmd("down", "-y", str(CLUSTER), log=log, timeout=600), 1)
+    except Exception as e:  # noqa: BLE001 - counted: ray_down_clean says what was left
+        figures["ray_down_error"] = str(e)
+    left = node_user_processes()
+    while left and time.monotonic() - t0 < a.down_wait_s:
+        time.sleep(1.0)
+        left = node_user_processes()
+    figures["ray_down_clean"] = not left and "ray_down_error" not in figures
+    figures["left_running"] = left
+    for line in left:  # clean up for the next run; counted above
+        subprocess.run(["kill", "-9", line.split()[0]], check=False)
 
 
 def cpu_name() -> str:
@@ -373,6 +501,7 @@ def main() -> None:
                     "node again: Ray's autoscaler (it restarts Ray on a node without heartbeat), or this bench "
                     "after --down-s (the node's start command from the cluster file, over SSH)")
     ap.add_argument("--down-s", type=float, default=20.0, help="with --restart bench: how long the node stays down")
+    ap.add_argument("--lose", default="replica-0", help="the replica whose worker node is lost mid-traffic")
     ap.add_argument("--after-s", type=float, default=None, help="traffic after recovery (quick 30, else 120)")
     ap.add_argument("--request-timeout-s", type=float, default=90.0, help="the client's timeout: a request "
                     "that reaches it is hung")
@@ -390,7 +519,7 @@ def main() -> None:
     t0 = time.monotonic()
     figures = run(a)
     figures["total_s"] = round(time.monotonic() - t0, 1)
-    print("\nbench/cluster.py: ray up on ops/local-cluster.yaml, traffic, worker node lost and back, ray down")
+    print("\nbench/cluster.py: ray up on ops/local-cluster.yaml, traffic, one worker node lost and back, ray down")
     print(table({k: v for k, v in figures.items() if k != "left_running"}))
     if figures["left_running"]:
         print("left running after ray down:\n  " + "\n  ".join(figures["left_running"]))

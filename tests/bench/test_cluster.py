@@ -1,6 +1,7 @@
-"""bench/cluster.py's pure parts: the argument checks and the summary of a run's requests (what counts as in
-flight on the lost node, refused while it was down, hung, and when it recovered). The run itself (`ray up` on
-ops/local-cluster.yaml) is a bench, not part of make test."""
+"""bench/cluster.py's pure parts: the argument checks, the summary of a run's requests (what counts as in flight
+on the lost node, refused while it was down, hung, and when it recovered), where each replica runs, and the
+gateway counters it reads. The run itself (`ray up` on ops/local-cluster.yaml) is a bench, not part of make
+test."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 
 import pytest
 
-from bench.cluster import Request, check_args, summarize, table
+from bench.cluster import Request, check_args, metric_by_replica, place, replica_back, summarize, table
 
 
 def args(**kw) -> argparse.Namespace:
@@ -38,6 +39,7 @@ def test_summary_splits_failures_by_when_they_happened_and_times_recovery_from_t
     s = summarize(reqs, t_loss)
     assert (s["requests"], s["ok_requests"], s["failed_requests"], s["hung_requests"]) == (7, 3, 4, 1)
     assert s["failed_in_flight_on_lost_node"] == 2 and s["failed_while_node_down"] == 1 and s["failed_other"] == 1
+    assert s["failed_beyond_in_flight"] == 2 and s["first_answer_after_loss_s"] == 40.0
     assert s["failed_by_kind"] == {"5xx:503": 2, "connection": 1, "hung": 1}
     assert s["node_loss_recovered_s"] == 40.0 and s["restart_to_recovered_s"] is None
     assert s["latency_p50_s"] == 9.0 and s["latency_max_s"] == 12.0
@@ -49,3 +51,48 @@ def test_summary_splits_failures_by_when_they_happened_and_times_recovery_from_t
 def test_summary_of_a_run_that_never_recovered_says_so():
     s = summarize([Request(0, 1, 2, True, "ok"), Request(0, 11, 12, False, "5xx:503")], 10.0)
     assert s["node_loss_recovered_s"] is None and s["failed_while_node_down"] == 1
+
+
+def test_two_replicas_the_node_is_back_when_its_replica_serves_again_not_at_the_first_answer():
+    """With two replicas the other one answers right after the loss; the lost node is back when its own replica
+    serves again (`t_recovered`, seen by the bench), and only the requests in flight on it failed."""
+    t_loss = 100.0
+    reqs = [Request(0, 98, 101, False, "5xx:503"),  # in flight on the lost node's replica
+            Request(1, 99, 102, True, "ok"),        # in flight on the other replica
+            Request(0, 102, 104, True, "ok"),       # sent while the node was down: the other replica (or a retry)
+            Request(2, 103, 106, True, "ok"),
+            Request(1, 150, 152, True, "ok")]
+    s = summarize(reqs, t_loss, t_recovered=141.5)
+    assert s["failed_requests"] == 1 and s["failed_in_flight_on_lost_node"] == 1 and s["failed_beyond_in_flight"] == 0
+    assert s["failed_while_node_down"] == 0 and s["hung_requests"] == 0
+    assert s["node_loss_recovered_s"] == 41.5 and s["first_answer_after_loss_s"] == 4.0
+    late = summarize([*reqs, Request(2, 120, 121, False, "5xx:503")], t_loss, t_recovered=141.5)
+    assert late["failed_while_node_down"] == 1 and late["failed_beyond_in_flight"] == 1  # before 141.5: while down
+
+
+def test_replicas_are_placed_by_their_process_in_rays_actor_table():
+    rows = [["ServerActor", "127.0.0.4", 202], ["TrainerActor", "127.0.0.2", 300], ["ServerActor", "127.0.0.3", 201]]
+    statuses = [{"replica": "replica-1", "pid": 202}, {"replica": "replica-0", "pid": 201}]
+    where = place(rows, statuses)
+    assert where.actors == {"ServerActor": ["127.0.0.3", "127.0.0.4"], "TrainerActor": ["127.0.0.2"]}
+    assert where.replicas == {"replica-0": "127.0.0.3", "replica-1": "127.0.0.4"}
+    assert place(rows, [{"replica": "replica-0", "pid": 999}]).replicas == {"replica-0": "unknown"}
+
+
+def test_a_replica_is_back_from_a_new_process_that_has_served():
+    old = {"replica": "replica-0", "pid": 201, "served": 40}
+    assert not replica_back([old, {"replica": "replica-1", "pid": 202, "served": 9}], "replica-0", 201)
+    assert not replica_back([{"replica": "replica-0", "pid": 301, "served": 0}], "replica-0", 201)  # loaded, idle
+    assert replica_back([{"replica": "replica-0", "pid": 301, "served": 1}], "replica-0", 201)
+    assert not replica_back([], "replica-0", 201)  # its node is gone: it does not answer
+
+
+def test_gateway_counters_are_read_per_replica():
+    text = ("# HELP ae_replica_failures_total Requests whose replica failed\n"
+            "# TYPE ae_replica_failures_total counter\n"
+            'ae_replica_failures_total{replica="replica-0"} 5.0\n'
+            'ae_replica_failures_created{replica="replica-0"} 1.7e9\n'
+            'ae_replica_restarts_total{replica="replica-0"} 1.0\n')
+    assert metric_by_replica(text, "ae_replica_failures_total") == {"replica-0": 5.0}
+    assert metric_by_replica(text, "ae_replica_restarts_total") == {"replica-0": 1.0}
+    assert metric_by_replica(text, "ae_replica_up") == {}

@@ -303,9 +303,9 @@ def test_prod_check_finds_the_provisioned_paths():
     assert Path(stack["registry"]["seed_head"]).name in {p.name for p in (REPO / "heads").iterdir()}
 
 
-def test_node_setup_run_twice_at_once_builds_one_venv_and_one_path_line(tmp_path):
-    """Two nodes on one disk run `node.sh setup` at the same moment (the local cluster's head and worker share
-    ~aenode): one flock for the whole step, every step checks before it acts, so there is one venv and one PATH
+def test_node_setup_run_at_once_on_every_local_node_builds_one_venv_and_one_path_line(tmp_path):
+    """Every node on one disk runs `node.sh setup` at the same moment (the local cluster's head and two workers
+    share ~aenode): one flock for the whole step, every step checks before it acts, so there is one venv and one PATH
     line. The package install is skipped by its stamp (the real one runs in bench/cluster.py); apt is answered by
     a dpkg-query stand-in saying the Python packages are installed."""
     import hashlib
@@ -320,10 +320,12 @@ def test_node_setup_run_twice_at_once_builds_one_venv_and_one_path_line(tmp_path
     (stubs / "dpkg-query").chmod(0o755)
     env = {**os.environ, "HOME": str(tmp_path), "PATH": f"{stubs}:{os.environ['PATH']}"}
     cmd = ["bash", str(NODE_SH), "setup", "--venv", str(venv), "--extras", "serve,store", "--node-ip", NODE_IP]
+    local = yaml.safe_load((OPS / "local-cluster.yaml").read_text())
+    nodes = 1 + len(local["provider"]["worker_ips"])
     runs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for _ in range(2)]
+            for _ in range(nodes)]
     outs = [p.communicate(timeout=120)[0] for p in runs]
-    assert [p.returncode for p in runs] == [0, 0], outs
+    assert nodes == 3 and [p.returncode for p in runs] == [0] * nodes, outs
     assert all("setup done" in o for o in outs)
     done = subprocess.run([str(venv / "bin" / "python"), "-c", "import sys; print(sys.prefix)"], capture_output=True,
                           text=True, check=True)

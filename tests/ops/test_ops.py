@@ -75,7 +75,8 @@ def test_cluster_nodes_run_python_3_11_and_a_second_ray_up_replaces_the_stack():
 def test_the_local_cluster_runs_the_cloud_clusters_node_script_and_a_valid_stack(monkeypatch):
     """ops/local-cluster.yaml (bench/cluster.py runs it with `ray up`) makes the same node.sh calls as
     ops/cluster.yaml, per step, so the cloud file cannot drift from the one that runs here; its stack config is
-    a valid StackConfig whose replicas need the worker's resource and whose trainer needs the head's."""
+    a valid StackConfig whose replicas need the workers' resource and whose trainer needs the head's; as prod, two
+    replicas, one on each of two worker nodes."""
     jsonschema = pytest.importorskip("jsonschema")
     ray = pytest.importorskip("ray")
     import json
@@ -99,6 +100,14 @@ def test_the_local_cluster_runs_the_cloud_clusters_node_script_and_a_valid_stack
     (head_start,) = local["head_start_ray_commands"]
     (worker_start,) = local["worker_start_ray_commands"]
     assert "ae_head" in head_start and "ae_replica" in worker_start  # the local provider gets no resource override
+    # shaped like prod: as many worker nodes as ops/prod.yaml has replicas, each with room for exactly one
+    workers = local["provider"]["worker_ips"]
+    prod_replicas = yaml.safe_load((OPS / "prod.yaml").read_text())["serving"]["replicas"]
+    assert len(set(workers)) == len(workers) == prod_replicas == local["max_workers"]
+    assert local["provider"]["head_ip"] not in workers and all(ip.startswith("127.0.0.") for ip in workers)
+    assert """--resources='{"ae_replica":1}'""" in worker_start
+    # one start line for every worker: a fixed dashboard-agent port would be bound twice on 127.0.0.1
+    assert "--dashboard-agent-listen-port=0" in worker_start
     env = {"AE_ADMIN_TOKEN": "a", "AE_API_KEY": "b", "AE_REDIS_PASSWORD": "c", "AE_REDIS_HOST": "127.0.0.2"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -106,6 +115,7 @@ def test_the_local_cluster_runs_the_cloud_clusters_node_script_and_a_valid_stack
     assert cfg.ray.address == "auto" and cfg.ray.replica_resources == {"ae_replica": 1}
     assert cfg.trainer.resources == {"ae_head": 1} and cfg.store.backend == "redis" and cfg.store.tls
     assert cfg.serving.host == local["provider"]["head_ip"]
+    assert cfg.serving.replicas == len(workers) and cfg.ray.replica_resources == {"ae_replica": 1}
 
 
 def exported_metrics() -> set[str]:
