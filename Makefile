@@ -80,7 +80,7 @@ rehearsal: setup redis-server prometheus
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-# `ray up` for real on this machine: ops/local-cluster.yaml (head 127.0.0.2, worker 127.0.0.3 over SSH), traffic,
+# `ray up` for real on this machine: ops/local-cluster.yaml (head 127.0.0.2, workers 127.0.0.3 and 127.0.0.4 over SSH, a replica on each), traffic,
 # the worker node lost and back, `ray down` (bench/cluster.py; as root: it installs sshd and a node user)
 .PHONY: cluster
 cluster: setup

@@ -106,7 +106,7 @@ class Slot:
     inflight: int = 0  # requests leased to it now
     held: bool = False  # drained for a swap: nothing new is routed to it
     failures: int = 0  # consecutive failures (a request it failed, a status it did not answer)
-    suspect_until: float = 0.0  # loop time until which it is routed to only when no healthy replica may serve
+    suspect_until: float = 0.0  # loop time until which it is passed over while a healthy replica may serve
 
     @property
     def open(self) -> bool:
@@ -182,18 +182,20 @@ class Router:
             self._cond.notify_all()
 
     def _free(self, eligible) -> Optional[Slot]:
-        """The eligible replica with room and the least load (in flight / capacity; the first of equals), a
-        healthy one before a suspect one (a replica that just failed: its node may be gone, and an idle dead
-        replica would otherwise have the least load and take every new request)."""
+        """The eligible replica with room and the least load (in flight / capacity; the first of equals). A
+        suspect replica (one that just failed: its node may be gone, and idle it would have the least load and
+        take every new request) is used only while no healthy replica may serve the request: the request waits
+        for a healthy one's free slot instead (outlier ejection), and with none left it tries the suspects."""
         now = asyncio.get_running_loop().time()
-        return min((s for s in self.slots if eligible(s) and s.open),
-                   key=lambda s: (s.suspect_until > now, s.load), default=None)
+        pool = [s for s in self.slots if eligible(s)]
+        healthy = [s for s in pool if s.suspect_until <= now]
+        return min((s for s in healthy or pool if s.open), key=lambda s: s.load, default=None)
 
     # ---- health ---------------------------------------------------------------------------------
     def replica_failed(self, replica: Replica) -> None:
-        """`replica` failed a request or a status call: routed to last for a cool-down that doubles with each
-        failure in a row (1 s, 2 s, ... SUSPECT_MAX_S), until it serves or answers again. Never taken out of
-        the pool: with no healthy replica left it is still tried (a fast 503 beats waiting for nothing)."""
+        """`replica` failed a request or a status call: passed over while a healthy replica may serve, for a
+        cool-down that doubles with each failure in a row (1 s, 2 s, ... SUSPECT_MAX_S), until it serves or
+        answers again. With no healthy replica left it is still tried (a fast 503 beats waiting for nothing)."""
         now = asyncio.get_running_loop().time()
         for s in self.slots:
             if s.replica is replica:
@@ -207,7 +209,7 @@ class Router:
                 s.failures, s.suspect_until = 0, 0.0
 
     def suspects(self) -> list[str]:
-        """The replicas routed to last now."""
+        """The replicas passed over now."""
         now = asyncio.get_running_loop().time()
         return [s.replica.name for s in self.slots if s.suspect_until > now]
 

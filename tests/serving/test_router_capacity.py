@@ -107,3 +107,26 @@ def test_the_canary_share_holds_with_many_requests_in_flight():
         assert max(peak) > 32 and router.inflight == 0  # more in flight at once than one replica could take
 
     asyncio.run(scenario())
+
+
+def test_a_suspect_replica_is_passed_over_while_a_healthy_one_may_serve_and_tried_when_none_can():
+    """A replica that just failed (its node may be gone) takes no new request while a healthy replica may serve
+    it, even a full one: the request waits for the healthy replica's free slot. With only suspects, they serve."""
+    async def scenario():
+        dead, alive = _Replica("dead", 1), _Replica("alive", 1)
+        router = Router([dead, alive], ["v1", "v1"], queue_size=4, wait_timeout_s=30.0)
+        router.replica_failed(dead)
+        assert router.suspects() == ["dead"]
+        lease = router.lease()
+        assert (await lease.__aenter__()).replica is alive  # dead is idle (least load) and still passed over
+        waiter = asyncio.create_task(_lease_name(router))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # alive is full: the request waits for it rather than trying dead
+        await lease.__aexit__(None, None, None)
+        assert await asyncio.wait_for(waiter, 10.0) == "alive"
+        router.replica_failed(alive)  # both suspect: no healthy replica may serve, so the suspects are tried
+        assert await _lease_name(router) == "dead"
+        router.replica_ok(dead)
+        assert router.suspects() == ["alive"] and await _lease_name(router) == "dead"
+
+    asyncio.run(scenario())
