@@ -87,9 +87,11 @@ def check_args(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def summarize(reqs: list[Request], t_loss: float | None, t_restart: float | None = None,
-              t_recovered: float | None = None) -> dict:
-    """The run's request figures. In flight on the lost node: started before `t_loss`, failed after it. While
-    down: failed, started after the loss and before the node was back: `t_recovered` (the lost replica served
+              t_recovered: float | None = None, t_stopped: float | None = None) -> dict:
+    """The run's request figures. The loss is the stop's span, from `t_loss` (node.sh stop sent) to `t_stopped`
+    (it returned: every process of the node gone; SIGTERM, then SIGKILL for what outlives the wait): until then
+    the lost replica still takes requests. In flight on the lost node: failed, started before `t_stopped` and
+    ended after `t_loss`. While down: failed, started after the stop and before the node was back: `t_recovered` (the lost replica served
     again, seen by the bench) when given, else the first answer to a request started after the loss (or after
     `t_restart`, when the bench restarted the node itself). `node_loss_recovered_s`: from the loss to then."""
     failed = [r for r in reqs if not r.ok]
@@ -97,8 +99,9 @@ def summarize(reqs: list[Request], t_loss: float | None, t_restart: float | None
     answers = sorted(r.end for r in reqs if r.ok and since is not None and r.start >= since)
     first = min((r.end for r in reqs if r.ok and t_loss is not None and r.start >= t_loss), default=None)
     back = t_recovered if t_recovered is not None else (answers[0] if answers else None)
-    in_flight = [r for r in failed if t_loss is not None and r.start < t_loss <= r.end]
-    down = [r for r in failed if t_loss is not None and r.start >= t_loss and (back is None or r.start < back)]
+    gone = t_stopped if t_stopped is not None else t_loss
+    in_flight = [r for r in failed if t_loss is not None and r.start < gone and r.end >= t_loss]
+    down = [r for r in failed if t_loss is not None and r.start >= gone and (back is None or r.start < back)]
     other = [r for r in failed if r not in in_flight and r not in down]
     kinds: dict[str, int] = {}
     for r in failed:
@@ -369,12 +372,13 @@ def await_recovery(admin: Admin, name: str, old_pid: int | None, timeout_s: floa
     return None
 
 
-def lose_node(a: argparse.Namespace, cluster: dict, node: str, figures: dict) -> tuple[float, float | None]:
+def lose_node(a: argparse.Namespace, cluster: dict, node: str, figures: dict) -> tuple[float, float, float | None]:
     """Stop `node`'s Ray processes (node.sh stop over SSH); with --restart bench start it again after --down-s.
-    Returns (the loss, the bench's restart or None) in monotonic seconds."""
+    Returns (the loss, the stop's end, the bench's restart or None) in monotonic seconds."""
     t_loss, t_restart = time.monotonic(), None
     stop = ssh(node, "bash ~/adaptive-eagle/ops/scripts/node.sh stop --venv ~/ae-venv")
-    figures["node_stop_s"] = round(time.monotonic() - t_loss, 1)
+    t_stopped = time.monotonic()
+    figures["node_stop_s"] = round(t_stopped - t_loss, 1)
     print(f"worker node {node}: its Ray processes stopped ({figures['node_stop_s']} s)\n{stop.stdout[-600:]}",
           flush=True)
     if a.restart == "bench":  # the node's start command from the cluster file, as Ray's updater runs it
@@ -386,7 +390,7 @@ def lose_node(a: argparse.Namespace, cluster: dict, node: str, figures: dict) ->
         print(f"worker node started again ({time.monotonic() - t_restart:.1f} s)\n{back.stdout[-300:]}", flush=True)
     else:  # Ray's autoscaler restarts it (autoscaler.py: "No recent heartbeat, restarting Ray to recover")
         print(f"waiting for Ray's autoscaler to start worker node {node} again", flush=True)
-    return t_loss, t_restart
+    return t_loss, t_stopped, t_restart
 
 
 def up_and_place(a: argparse.Namespace, head: str, stack: dict, log: Path, figures: dict) -> tuple[Admin, Traffic, list]:
@@ -421,7 +425,7 @@ def run(a: argparse.Namespace) -> dict:
     sshd = prepare_host(cluster)
     figures: dict = {"cpu": cpu_name(), "clients": a.clients, "max_tokens": a.max_tokens, "quick": a.quick,
                      "restart": a.restart, "workers": workers, "replicas_configured": stack["serving"]["replicas"]}
-    admin, traffic, t_loss, t_restart, t_back = None, None, None, None, None
+    admin, traffic, t_loss, t_stopped, t_restart, t_back = None, None, None, None, None, None
     try:
         admin, traffic, answering = up_and_place(a, head, stack, log, figures)
         lost = figures["replicas"].get(a.lose)
@@ -432,7 +436,7 @@ def run(a: argparse.Namespace) -> dict:
         for t in traffic.threads:
             t.start()
         time.sleep(a.before_s)
-        t_loss, t_restart = lose_node(a, cluster, lost, figures)
+        t_loss, t_stopped, t_restart = lose_node(a, cluster, lost, figures)
         t_back = await_recovery(admin, a.lose, old_pid, a.ready_timeout_s)
         print(f"{a.lose} served again {time.monotonic() - t_loss:.1f} s after the loss" if t_back else
               f"{a.lose} did not serve again within {a.ready_timeout_s:g} s", flush=True)
@@ -449,7 +453,7 @@ def run(a: argparse.Namespace) -> dict:
         sshd.terminate()
         sshd.wait(10)
     if traffic is not None:
-        figures.update(summarize(traffic.records, t_loss, t_restart, t_back))
+        figures.update(summarize(traffic.records, t_loss, t_restart, t_back, t_stopped))
         zero = t_loss if t_loss is not None else 0.0  # each request's times from the loss (to read with the logs)
         (out / "requests.jsonl").write_text("".join(json.dumps({
             "client": r.client, "start_s": round(r.start - zero, 2), "end_s": round(r.end - zero, 2),

@@ -48,6 +48,15 @@ def test_summary_splits_failures_by_when_they_happened_and_times_recovery_from_t
     assert restarted["node_loss_recovered_s"] == 45.0 and restarted["restart_to_recovered_s"] == 13.0
 
 
+def test_a_request_sent_while_the_node_was_being_stopped_was_in_flight_on_it():
+    """node.sh stop takes seconds (SIGTERM, a wait, SIGKILL): a request routed to the lost replica during it
+    started before its node was gone and failed in flight, not while the node was down."""
+    reqs = [Request(0, 100.4, 102.8, False, "5xx:503"), Request(1, 104, 105, False, "5xx:503")]
+    s = summarize(reqs, 100.0, t_recovered=150.0, t_stopped=103.1)
+    assert s["failed_in_flight_on_lost_node"] == 1 and s["failed_while_node_down"] == 1
+    assert summarize(reqs, 100.0, t_recovered=150.0)["failed_in_flight_on_lost_node"] == 0  # the stop as an instant
+
+
 def test_summary_of_a_run_that_never_recovered_says_so():
     s = summarize([Request(0, 1, 2, True, "ok"), Request(0, 11, 12, False, "5xx:503")], 10.0)
     assert s["node_loss_recovered_s"] is None and s["failed_while_node_down"] == 1
