@@ -36,7 +36,8 @@ class ServingConfig(BaseModel):
     host: str = Field("127.0.0.1", description="gateway bind address")
     port: int = Field(8000, ge=0, le=65535, description="gateway port (0: any free port)")
     model_name: str = Field("adaptive-eagle", min_length=1, description="the model id clients pass as `model`")
-    replicas: int = Field(1, ge=1, le=256, description="decode replicas (one request at a time each)")
+    replicas: int = Field(1, ge=1, le=256, description="decode replicas (each takes its backend's max_inflight "
+                          "at once: 1 for the reference engine, SGLang's batch for an SGLang replica)")
     queue_size: int = Field(16, ge=0, description="requests that may wait for a free replica; more: 429")
     max_prompt_tokens: int = Field(2048, ge=1, description="longer prompts are refused (400)")
     swap_cpu_share: float = Field(0.25, gt=0, le=1, description="share of one core a reference replica's hot "
@@ -45,6 +46,9 @@ class ServingConfig(BaseModel):
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     request_timeout_s: float = Field(600.0, gt=0, description="a request waiting longer for a replica gets 429")
+    first_event_timeout_s: float = Field(30.0, gt=0, description="a leased replica that has not started a request "
+                                         "within this (an actor Ray cannot place, a hung process) has failed it: "
+                                         "retried once on another replica, else 503; never a hang")
     admin_token: Optional[SecretStr] = Field(None, description="bearer token of /admin/*; None: admin disabled")
     api_keys: tuple[SecretStr, ...] = Field((), description="bearer keys for /v1/*; empty: open")
     capture: CapturePolicy = Field(default_factory=CapturePolicy, description="what goes to the feature store")

@@ -81,7 +81,8 @@ class GatewayFleet:
         if running is self.loop:
             coro.close()
             raise RuntimeError("called on the gateway's own event loop: await aswap/aset_canary instead")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.call_timeout_s * calls)
+        # each replica call is bounded by call_timeout_s (_bounded); a refusal's swap-backs can double them
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.call_timeout_s * (2 * calls + 1))
 
     # ---- async implementations -------------------------------------------------------------------
     @property
@@ -96,9 +97,20 @@ class GatewayFleet:
         """One replica's swap; rolling: drained first (the router waits for its request in flight and routes it
         nothing more: `Router.hold`), rejoining when the swap returns."""
         if not self.rolling or len(self.router.slots) < 2:
-            return await slot.replica.swap_head(version)
+            return await self._bounded(slot, slot.replica.swap_head(version), f"a swap to {version}")
         async with self.router.hold(slot):
-            return await slot.replica.swap_head(version)
+            return await self._bounded(slot, slot.replica.swap_head(version), f"a swap to {version}")
+
+    async def _bounded(self, slot: Slot, call, what: str) -> SwapResult:
+        """One replica call within call_timeout_s, a refusal after it: a replica actor Ray cannot place (or whose
+        node is gone without an error yet) holds its calls, and a swap that waits for it forever would hold the
+        fleet's swap lock, and with it every later swap and canary, for good."""
+        try:
+            return await asyncio.wait_for(call, self.call_timeout_s)
+        except asyncio.TimeoutError:
+            return SwapResult(False, f"{slot.replica.name} did not answer {what} within {self.call_timeout_s:g} s "
+                                     "(its actor is gone or not placed); should it still carry it out, the "
+                                     "reconciler routes it by the head its status reports", slot.version)
 
     async def _swap_slots(self, slots: list[Slot], version: str) -> list[SwapResult]:
         """Swap `slots` to `version` (all at once, or rolling); if any refuses, swap the others back (all or
@@ -154,7 +166,8 @@ class GatewayFleet:
 
     async def _end_in_replica_canary(self) -> list[SwapResult]:
         self.router.canary = None
-        return list(await asyncio.gather(*(s.replica.set_canary(None, 0.0) for s in self.router.slots)))
+        return list(await asyncio.gather(*(self._bounded(s, s.replica.set_canary(None, 0.0), "the canary's end")
+                                           for s in self.router.slots)))
 
     async def _in_replica_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
         """Every replica keeps its champion and decodes `fraction` of its requests with `version`."""
@@ -162,7 +175,8 @@ class GatewayFleet:
             return await self._end_in_replica_canary()
         if version == self.champion:
             raise ValueError(f"{version} is already the champion")
-        results = list(await asyncio.gather(*(s.replica.set_canary(version, fraction) for s in self.router.slots)))
+        results = list(await asyncio.gather(*(self._bounded(s, s.replica.set_canary(version, fraction),
+                                                            f"a canary of {version}") for s in self.router.slots)))
         if not all(r.ok for r in results):
             await self._end_in_replica_canary()
             raise ValueError("; ".join(r.message for r in results if not r.ok))
@@ -180,7 +194,7 @@ class GatewayFleet:
                 st = statuses.get(slot.replica.name)
                 if st is None or st.head_version == slot.version:
                     continue
-                r = await slot.replica.swap_head(slot.version)
+                r = await self._bounded(slot, slot.replica.swap_head(slot.version), f"a swap to {slot.version}")
                 if r.ok:
                     lines.append(f"{slot.replica.name} served {st.head_version}, routed as {slot.version} "
                                  f"(restarted?): swapped back to {slot.version}")

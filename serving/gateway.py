@@ -97,6 +97,10 @@ def _secret_is(given: bytes, secret: SecretStr) -> bool:
     return hmac.compare_digest(given, secret.get_secret_value().encode("utf-8"))
 
 
+class ReplicaSilent(Exception):
+    """A leased replica did not start the request in time (ServingConfig.first_event_timeout_s)."""
+
+
 class Gateway:
     """The app's state and handlers (one per app; no module state)."""
 
@@ -232,7 +236,7 @@ class Gateway:
             replica, events = slot.replica, slot.replica.stream(req)
             stack.push_async_callback(events.aclose)
             try:
-                first = await events.__anext__()
+                first = await self._first_event(replica, events)
             except Exception as e:  # noqa: BLE001 - the replica failed (StopAsyncIteration: it ended with no event)
                 await stack.aclose()
                 self._replica_failed(replica, e, req.request_id)
@@ -247,6 +251,17 @@ class Gateway:
             rest = self._guarded(replica, events, req.request_id)
             stack.push_async_callback(rest.aclose)  # closed before the replica's stream (last in, first out)
             return ReplicaStream(first, rest, stack)
+
+    async def _first_event(self, replica: Replica, events: AsyncIterator[Event]) -> Event:
+        """The replica's first event (Started, or Refused), within first_event_timeout_s: a replica starts a
+        request it was leased at once (the router leases it no more than it takes), so one that stays silent
+        is gone or was never placed (a Ray actor waiting for a node holds its calls, without an error), and
+        waiting for it would hang the request."""
+        try:
+            return await asyncio.wait_for(events.__anext__(), self.config.first_event_timeout_s)
+        except asyncio.TimeoutError:
+            raise ReplicaSilent(f"replica {replica.name} did not start the request within "
+                                f"{self.config.first_event_timeout_s:g} s") from None
 
     async def _guarded(self, replica: Replica, events: AsyncIterator[Event], rid: str) -> AsyncIterator[Event]:
         """`events`, ended by a 503 Refused when the replica fails after its first event: the request may have

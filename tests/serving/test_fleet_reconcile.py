@@ -99,3 +99,29 @@ def test_sglang_replicas_swap_one_at_a_time_drained_while_the_others_serve():
         assert [s.version for s in router.slots] == ["cand"] * 3 and reps[0].swaps[-2:] == ["v2", "cand"]
 
     asyncio.run(scenario())
+
+
+class SilentReplica(Replica):
+    """A replica actor Ray could not place: every call waits, without an error."""
+
+    async def swap_head(self, version: str) -> SwapResult:
+        self.swaps.append(version)
+        await asyncio.Event().wait()
+
+
+def test_a_swap_a_silent_replica_never_answers_is_refused_in_time_and_frees_the_fleet():
+    """Without a bound the swap would wait forever holding the fleet's swap lock: every later swap, canary and
+    reconcile would wait behind it (the cluster bench saw the policy's ticks time out one after another)."""
+    async def scenario():
+        a, b = Replica("a", "v1"), SilentReplica("b", "v1")
+        router = Router([a, b], ["v1", "v1"], queue_size=4, wait_timeout_s=10.0)
+        fleet = GatewayFleet(router, LiveSamples(), call_timeout_s=0.2)
+        results = await asyncio.wait_for(fleet.aswap("cand"), 5.0)
+        assert results[0].ok is False and "swapped back" in results[0].message  # all or nothing
+        assert not results[1].ok and "did not answer" in results[1].message
+        assert a.head == "v1" and fleet.serving_versions() == ["v1", "v1"]
+        assert not fleet._swap_lock.locked()
+        b.__class__ = Replica  # its node joined: it answers now
+        assert all(r.ok for r in await asyncio.wait_for(fleet.aswap("cand"), 5.0))
+
+    asyncio.run(scenario())

@@ -32,7 +32,8 @@ class ReplicaDied(Exception):
 
 
 class StandIn:
-    """A replica without a model. `fail`: "before" raises before its first event, "after" raises after a Delta,
+    """A replica without a model. `fail`: "before" raises before its first event, "silent" never produces one,
+    "after" raises after a Delta,
     "never" serves "hello world"; "hang" stalls after its Delta until the gateway closes the stream."""
 
     def __init__(self, name: str, fail: str = "never") -> None:
@@ -45,6 +46,8 @@ class StandIn:
         try:
             if self.fail == "before":
                 raise ReplicaDied(f"{self.name} died")
+            if self.fail == "silent":  # a Ray actor that was never placed: its calls wait, without an error
+                await asyncio.Event().wait()
             yield Started(request.request_id, 3, self.name)
             yield Delta("hello")
             if self.fail == "after":
@@ -63,9 +66,9 @@ class StandIn:
                             served=0, refused=0, failed=0, cancelled=0)
 
 
-def config(replicas: int) -> ServingConfig:
+def config(replicas: int, **kw) -> ServingConfig:
     return ServingConfig(model_name=MODEL, replicas=replicas, admin_token="t", max_tokens_limit=64,
-                         default_max_tokens=16)
+                         default_max_tokens=16, **kw)
 
 
 def chat_body(stream: bool = False, domain=None, max_tokens: int = 16) -> dict:
@@ -106,8 +109,8 @@ def serve():
     """serve(*replicas) -> an httpx client on a gateway over them (stopped after the test)."""
     threads, clients = [], []
 
-    def start(*replicas):
-        thread = GatewayThread(create_app(config(len(replicas)), list(replicas)))
+    def start(*replicas, **kw):
+        thread = GatewayThread(create_app(config(len(replicas), **kw), list(replicas)))
         threads.append(thread)
         clients.append(httpx.Client(base_url=thread.start(), timeout=60))
         return clients[-1]
@@ -135,6 +138,24 @@ def test_a_replica_failing_before_its_first_event_is_retried_once_on_another_rep
     assert sample(http, "ae_replica_failures_total", replica="broken") == 1
     assert sample(http, "ae_replica_failures_total", replica="good") == 0
     assert sample(http, "ae_requests_total", endpoint=CHAT, status="200") == 2
+
+
+def test_a_replica_that_never_starts_the_request_is_a_failure_not_a_hang(serve):
+    """A replica actor Ray could not place (its node never joined) holds every call without an error: the
+    request is retried on the other replica after first_event_timeout_s, the silent one is passed over after
+    that, and alone it answers a 503 instead of hanging."""
+    silent, good = StandIn("silent", "silent"), StandIn("good")
+    http = serve(silent, good, first_event_timeout_s=0.5)
+    t0 = time.monotonic()
+    answers = [http.post(CHAT, json=chat_body()) for _ in range(3)]
+    assert [r.status_code for r in answers] == [200] * 3 and time.monotonic() - t0 < 10
+    assert silent.calls == 1 and good.calls == 3  # once, then passed over while it stays silent
+    assert sample(http, "ae_replica_failures_total", replica="silent") == 1
+    alone = StandIn("alone", "silent")
+    http = serve(alone, first_event_timeout_s=0.5)
+    resp = http.post(CHAT, json=chat_body())
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "replica_unavailable"
+    assert "ReplicaSilent" in resp.json()["error"]["message"]
 
 
 def test_a_failed_replica_is_routed_to_last_until_it_answers_again(serve):
