@@ -400,8 +400,20 @@ cmd_worker_start() {
   [ -n "${RAY_HEAD_IP:-}" ] || die "worker-start: RAY_HEAD_IP is not set (Ray's updater exports it on workers)"
   node_lock
   stop_own_ray
-  ray_start --address="$RAY_HEAD_IP:6379" --node-ip-address="$ip" "${RAY_ARGS[@]}"
-  say "worker started: Ray $ip, head $RAY_HEAD_IP"
+  # `ray start` gives up when its raylet does not register in time ("The current node timed out during
+  # startup", ray/_private/node.py), which a loaded head can cause; Ray's autoscaler then leaves the node
+  # "update-failed" for good, so the start is retried here, this node's half-started processes stopped first
+  local attempt
+  for attempt in 1 2 3; do
+    if ray_start --address="$RAY_HEAD_IP:6379" --node-ip-address="$ip" "${RAY_ARGS[@]}"; then
+      say "worker started: Ray $ip, head $RAY_HEAD_IP"
+      return 0
+    fi
+    say "ray start failed (attempt $attempt of 3)"
+    stop_own_ray
+    [ "$attempt" -lt 3 ] && sleep $((5 * attempt))
+  done
+  die "ray start failed 3 times on $ip (head $RAY_HEAD_IP): see the Ray logs of this node"
 }
 
 cmd_stop() { node_lock; stop_stack; stop_own_ray; }

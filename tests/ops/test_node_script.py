@@ -40,6 +40,12 @@ STUB_SLEEP = f"{sys.executable} -c 'import time; time.sleep(600)'"
 STUBS = {
     # `ray start` leaves a process that carries the node's address, as raylet and gcs_server do
     "venv/bin/ray": f"""echo "ray $*" >> "$HOME/calls.log"
+# ~/ray-start-fails: how many starts fail as Ray's does when its raylet does not register in time
+if [ "$1" = start ] && [ -s "$HOME/ray-start-fails" ] && [ "$(cat "$HOME/ray-start-fails")" -gt 0 ]; then
+  echo $(( $(cat "$HOME/ray-start-fails") - 1 )) > "$HOME/ray-start-fails"
+  nohup {STUB_SLEEP} raylet-half-started --node_ip_address=127.0.0.9 >/dev/null 2>&1 &
+  echo "Exception: The current node timed out during startup." >&2; exit 1
+fi
 for a in "$@"; do case "$a" in --node-ip-address=*) ip=${{a#*=}};; esac; done
 nohup {STUB_SLEEP} raylet-stand-in --node_ip_address=$ip >/dev/null 2>&1 &
 nohup {STUB_SLEEP} monitor-stand-in >/dev/null 2>&1 &  # as monitor.py: no node address, the session's""",
@@ -192,6 +198,21 @@ def test_node_stop_ends_only_this_nodes_processes(node_home):
         for p in (mine, neighbour):
             p.kill()
             p.wait()
+
+
+def test_a_worker_start_that_times_out_is_retried_and_a_third_failure_is_an_error(node_home):
+    """Ray's autoscaler leaves a node whose start command failed "update-failed" for good (a cluster run here lost
+    its second worker so under load): node.sh retries `ray start`, its half-started session stopped first."""
+    line = cluster_line(node_home, "worker_start_ray_commands")
+    (node_home / "ray-start-fails").write_text("1")
+    done = run_line(node_home, f"export RAY_HEAD_IP=127.0.0.8; {line}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "attempt 1 of 3" in done.stdout and "worker started" in done.stdout
+    assert (node_home / "calls.log").read_text().count("ray start --address=127.0.0.8:6379") == 2
+    run_line(node_home, f"bash ~/adaptive-eagle/ops/scripts/node.sh stop --venv {node_home}/venv")
+    (node_home / "ray-start-fails").write_text("3")
+    failed = run_line(node_home, f"export RAY_HEAD_IP=127.0.0.8; {line}", timeout=120)
+    assert failed.returncode != 0 and "failed 3 times" in failed.stderr
 
 
 def test_worker_start_uses_the_head_address_ray_exports_and_this_nodes_own_address(node_home):
