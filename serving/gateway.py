@@ -146,7 +146,8 @@ class Gateway:
                     log.warning("status of %s failed: %s", name, e)
                 self.router.replica_failed(slot.replica)  # routed to last until it answers again
                 return None
-            self.router.replica_ok(slot.replica)
+            if self.router.replica_ok(slot.replica):
+                await self.router.fleet_changed()  # requests waiting for a healthy replica may take it now
             if name in self._silent:
                 self._silent.discard(name)
                 log.info("%s answers its status again", name)

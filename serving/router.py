@@ -202,11 +202,15 @@ class Router:
                 s.failures += 1
                 s.suspect_until = now + min(SUSPECT_MAX_S, 2.0 ** (s.failures - 1))
 
-    def replica_ok(self, replica: Replica) -> None:
-        """`replica` served a request or answered its status: healthy again."""
+    def replica_ok(self, replica: Replica) -> bool:
+        """`replica` served a request or answered its status: healthy again. True when it was a suspect (then
+        the caller wakes the waiting requests: `fleet_changed`)."""
+        now, was = asyncio.get_running_loop().time(), False
         for s in self.slots:
             if s.replica is replica:
+                was = was or s.suspect_until > now
                 s.failures, s.suspect_until = 0, 0.0
+        return was
 
     def suspects(self) -> list[str]:
         """The replicas passed over now."""
