@@ -58,7 +58,7 @@ class ReplayBuffer(Generic[T]):
     def __init__(self, per_domain: int, max_bytes: int = 1 << 62, seed: int = 0) -> None:
         if per_domain < 1 or max_bytes < 1:
             raise ValueError(f"per_domain ({per_domain}) and max_bytes ({max_bytes}) must be >= 1")
-        self.per_domain, self.max_bytes = per_domain, max_bytes
+        self.per_domain, self.max_bytes, self._seed = per_domain, max_bytes, seed
         self._rng = random.Random(seed)
         self._res: dict[str, _Reservoir[T]] = {}
 
@@ -126,35 +126,48 @@ class ReplayBuffer(Generic[T]):
                 "thresholds": {d: r.threshold for d, r in sorted(self._res.items())}}
 
     def restore(self, items: Sequence[tuple[str, T, int]], seen: dict[str, int],
-                priorities: dict | None = None) -> None:
+                priorities: dict | None = None) -> int:
         """Refill from a checkpoint: (domain, item, size) triples, the per-domain seen counts and
         `priorities()`. Without priorities (a checkpoint from before keys) each domain's keys are drawn
         afresh from their law given what was held: holding n of s seen records, the threshold is the
         (n+1)-th lowest of s uniform keys (Beta(n+1, s-n)) and the held keys are uniform below it.
-        The caps of this buffer are enforced afterwards (they may be smaller than the saved ones)."""
+        The caps of this buffer are enforced afterwards (they may be smaller than the saved ones).
+
+        The key stream is then reseeded from the seed and the records seen so far: a restarted process whose
+        generator began again at `seed` drew the very keys it already held, and a twin evicted beside one
+        held left that one's key at the threshold. A held key equal to its threshold (a checkpoint written
+        that way) is dropped, and their number returned; a key above it or outside [0, 1) is refused
+        (ValueError, the buffer unchanged)."""
         keys = None if priorities is None else [float(k) for k in priorities["keys"]]
         if keys is not None and len(keys) != len(items):
             raise ValueError(f"replay buffer checkpoint: {len(keys)} keys for {len(items)} items")
         thresholds = {} if priorities is None else {d: float(t) for d, t in priorities["thresholds"].items()}
+        if keys is not None and (bad := [k for k in keys if not 0.0 <= k < 1.0]):
+            raise ValueError(f"replay buffer checkpoint: key {bad[0]} outside [0, 1)")
         grouped: dict[str, list[tuple[T, int, float | None]]] = {}
         for i, (d, item, size) in enumerate(items):
             grouped.setdefault(d, []).append((item, size, None if keys is None else keys[i]))
-        self._res = {}
+        res, dropped = {}, 0
         for d in sorted(set(grouped) | set(seen)):
             held = grouped.get(d, [])
-            r = self._res[d] = _Reservoir(seen=max(seen.get(d, 0), len(held)))
+            r = res[d] = _Reservoir(seen=max(seen.get(d, 0), len(held)))
             if keys is None:
                 r.threshold = self._rng.betavariate(len(held) + 1, r.seen - len(held)) if r.seen > len(held) else 1.0
                 held = [(item, size, r.threshold * self._rng.random()) for item, size, _ in held]
             else:
-                r.threshold = thresholds.get(d, 1.0)
-                bad = [k for _, _, k in held if not 0.0 <= k < r.threshold]
-                if bad:
+                r.threshold = min(1.0, float(thresholds.get(d, 1.0)))
+                if bad := [k for _, _, k in held if k > r.threshold]:
                     raise ValueError(f"replay buffer checkpoint: key {bad[0]} of domain {d!r} outside "
                                      f"[0, threshold {r.threshold})")
+                kept = [h for h in held if h[2] < r.threshold]  # one AT it: the twin of the evicted key
+                dropped += len(held) - len(kept)
+                held = kept
             for arrival, (item, size, key) in enumerate(held):
                 r.hold(key, size, item, arrival)
+        self._res = res
+        self._rng = random.Random(f"{self._seed}/{sum(r.seen for r in res.values())}")
         self._enforce_caps()
+        return dropped
 
 
 def replay_rows(fresh: int, ratio: float) -> float:

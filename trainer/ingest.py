@@ -17,6 +17,7 @@ what `NearlineTrainer` hands it), evidence (the trainer has records tested befor
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import deque
 from typing import Callable
@@ -28,6 +29,8 @@ from trainer.buffer import ReplayBuffer, replay_rows
 from trainer.config import NearlineConfig
 from trainer.drift import DriftMonitor
 from trainer.moe import MoEGrowth
+
+log = logging.getLogger(__name__)
 
 SEEN_REQUESTS = 50_000  # request ids remembered for de-duplication across restarts
 
@@ -247,9 +250,12 @@ class Intake:
                 buffer_priorities: dict | None, heldout: list[tuple[str, TraceRecord]]) -> None:
         """Take back what a checkpoint kept: the request ids already used, the replay buffer with its keys (None:
         a checkpoint from before priority keys) and the held-out pools."""
+        dropped = self.buffer.restore([(dom, p, len(p)) for dom, p in replay], buffer_seen, buffer_priorities)
+        if dropped:
+            log.warning("replay buffer checkpoint: %d held records at their domain's threshold dropped "
+                        "(written by a trainer that drew the same keys again after a restart)", dropped)
         for rid in seen_requests:
             self.remember(rid)
-        self.buffer.restore([(dom, p, len(p)) for dom, p in replay], buffer_seen, buffer_priorities)
         for dom, rec in heldout:
             self.heldout.setdefault(dom, deque(maxlen=self.cfg.heldout_per_domain)).append(rec)
 

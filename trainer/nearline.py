@@ -372,16 +372,20 @@ class NearlineTrainer:
         if saved.base != champion:
             self._note(f"checkpoint was trained from {saved.base}, champion is {champion}: starting over")
             return False
+        state = saved.resume_state()
+        try:  # first, while nothing else is restored: a refusal leaves the trainer as it was
+            self.intake.restore(state.seen_requests, state.replay, state.buffer_seen, state.buffer_priorities,
+                                state.heldout)
+        except ValueError as e:  # refused, not a crash loop: Ray would restart the actor into the same error
+            self._note(f"checkpoint in {state_dir(self.work_dir)} refused ({e}); starting from champion {champion}")
+            return False
         self._reset_to(champion)
         self.learner.set_head(saved.head.float().train())
         saved.restore_optimizer(self.opt)
-        state = saved.resume_state()
         self._reset_counters(state.counters)
         self.candidates.tokens_at_candidate = state.tokens_at_candidate
         if self.moe is not None:
             self.moe.restore(state.moe)
-        self.intake.restore(state.seen_requests, state.replay, state.buffer_seen, state.buffer_priorities,
-                            state.heldout)
         self._note(f"resumed from checkpoint: step {self.counters['steps']}, "
                    f"{self.counters['tokens_trained']} tokens trained")
         return True

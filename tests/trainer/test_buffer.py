@@ -174,3 +174,32 @@ def test_restore_refuses_keys_that_do_not_match_the_items():
         buf.restore([("a", b"x", 1)], {"a": 5}, {"keys": [0.1, 0.2], "thresholds": {"a": 0.5}})
     with pytest.raises(ValueError, match="outside"):
         buf.restore([("a", b"x", 1)], {"a": 5}, {"keys": [0.7], "thresholds": {"a": 0.5}})
+
+
+def test_restarts_draw_new_keys_so_a_checkpoint_of_a_restarted_buffer_restores_again():
+    """Found by a cluster run: the trainer's buffer restarts with the same seed, so a restarted process drew
+    the keys it already held; an eviction of one twin left the other at the threshold, the next restart's
+    restore raised, and Ray restarted the trainer into the same error for good."""
+    buf = ReplayBuffer(per_domain=8, seed=0)
+    for i in range(20):
+        buf.add(f"x{i}".encode(), None, 10)
+    for restart in range(6):
+        again = ReplayBuffer(per_domain=8, seed=0)  # a new process, the same config
+        assert again.restore([(d, x, len(x)) for d, x in buf.items()], buf.seen(), buf.priorities()) == 0
+        for i in range(20):
+            again.add(f"r{restart}-{i}".encode(), None, 10)
+        keys = again.priorities()["keys"]
+        assert len(keys) == len(set(keys)), f"restart {restart}: a key drawn twice"
+        buf = again
+
+
+def test_a_held_key_at_its_threshold_is_dropped_and_one_above_it_refused():
+    """A checkpoint written before the reseed may hold a key equal to its domain's threshold: that record is
+    dropped (counted), the rest restored; a key above the threshold is a corrupt checkpoint, refused."""
+    buf = ReplayBuffer(per_domain=3, seed=0)
+    assert buf.restore([("a", b"x", 1), ("a", b"y", 1)], {"a": 9},
+                       {"keys": [0.1, 0.5], "thresholds": {"a": 0.5}}) == 1
+    assert [x for _, x in buf.items()] == [b"x"]
+    with pytest.raises(ValueError, match="outside"):
+        buf.restore([("a", b"x", 1)], {"a": 5}, {"keys": [1.5], "thresholds": {"a": 1.0}})
+    assert [x for _, x in buf.items()] == [b"x"]  # a refused checkpoint leaves the buffer as it was

@@ -120,6 +120,29 @@ def test_the_replay_buffer_resumes_with_its_keys_and_a_checkpoint_from_before_ke
     old.reader.close()
 
 
+def test_a_checkpoint_whose_replay_buffer_is_refused_starts_from_the_champion_instead_of_crash_looping(tmp_path,
+                                                                                                    world):
+    """A refused buffer raised out of start(): the actor's loop died, Ray restarted it into the same error for
+    good (a cluster run's trainer did so). Now the checkpoint is refused with its reason, nothing of it kept."""
+    cfg, target = setup_run(tmp_path, world, replay_per_domain=4)
+    a = NearlineTrainer(cfg, target=target)
+    a.start()
+    a.poll()
+    while a.fresh:
+        a.train_once(force=True)
+    a.checkpoint()
+    a.reader.close()
+    meta_file = tmp_path / "work" / "state" / "trainer.json"
+    meta = json.loads(meta_file.read_text())
+    meta["buffer_priorities"]["keys"][0] = 2.0  # corrupt: outside [0, 1)
+    meta_file.write_text(json.dumps(meta))
+    b = NearlineTrainer(cfg, target=target)
+    b.start()  # raised ValueError before
+    assert any("refused" in e and "outside [0, 1)" in e for e in b.events), b.events
+    assert b.counters["steps"] == 0 and len(b.buffer) == 0 and b.base == a.base
+    b.reader.close()
+
+
 def test_every_batch_keeps_the_replay_ratio(tmp_path, world):
     # records of 28-36 tokens: the fresh half (80 padded tokens) takes two, and two replayed ones beside them
     # keep the padded batch within batch_tokens (4 x 36 <= 160), so the ratio holds exactly
