@@ -8,7 +8,7 @@
 #   node.sh head-setup  --config STACK.yaml [--venv DIR]
 #   node.sh head-start  --config STACK.yaml [--venv DIR] [--secrets ssm|file:PATH] [--ray-tmpdir DIR]
 #                       [--autoscaler v1|v2] [-- RAY START ARGS]
-#   node.sh worker-start                    [--venv DIR] [--ray-tmpdir DIR] [-- RAY START ARGS]
+#   node.sh worker-start                    [--venv DIR] [--ray-tmpdir DIR] [--start-retry-s 5] [-- RAY START ARGS]
 #   node.sh restart-up  --config STACK.yaml [--venv DIR] [--secrets ssm|file:PATH]   the head's stack only
 #                       (`adaptive-eagle up`), Redis and Ray left running (on-call: ops/RUNBOOK.md GatewayDown)
 #   node.sh stop        [--venv DIR]      this node's stack and Ray processes only (never `ray stop`)
@@ -53,6 +53,7 @@ NODE_IP=""
 RAY_ARGS=()
 BOTO3_SPEC='boto3>=1.34,<2'   # the AWS node provider imports boto3 in the Python that runs `ray start --head`
 STOP_WAIT_S=90
+START_RETRY_S=5  # worker-start: seconds before the 2nd `ray start` try (twice that before the 3rd)
 
 die() { echo "node.sh: error: $*" >&2; exit 2; }
 say() { echo "node.sh[$(node_ip)]: $*"; }
@@ -73,6 +74,7 @@ parse() {
       --ray-tmpdir) RAY_TMP=$2; shift 2 ;;
       --autoscaler) AUTOSCALER=$2; shift 2 ;;
       --node-ip) NODE_IP=$2; shift 2 ;;
+      --start-retry-s) START_RETRY_S=$2; shift 2 ;;
       --) shift; RAY_ARGS=("$@"); break ;;
       *) die "unknown option $1 (see the top of ops/scripts/node.sh)" ;;
     esac
@@ -411,7 +413,7 @@ cmd_worker_start() {
     fi
     say "ray start failed (attempt $attempt of 3)"
     stop_own_ray
-    [ "$attempt" -lt 3 ] && sleep $((5 * attempt))
+    [ "$attempt" -lt 3 ] && sleep $((START_RETRY_S * attempt))
   done
   die "ray start failed 3 times on $ip (head $RAY_HEAD_IP): see the Ray logs of this node"
 }

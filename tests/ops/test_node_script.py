@@ -203,7 +203,7 @@ def test_node_stop_ends_only_this_nodes_processes(node_home):
 def test_a_worker_start_that_times_out_is_retried_and_a_third_failure_is_an_error(node_home):
     """Ray's autoscaler leaves a node whose start command failed "update-failed" for good (a cluster run here lost
     its second worker so under load): node.sh retries `ray start`, its half-started session stopped first."""
-    line = cluster_line(node_home, "worker_start_ray_commands")
+    line = cluster_line(node_home, "worker_start_ray_commands").replace("worker-start", "worker-start --start-retry-s 0")
     (node_home / "ray-start-fails").write_text("1")
     done = run_line(node_home, f"export RAY_HEAD_IP=127.0.0.8; {line}")
     assert done.returncode == 0, done.stdout + done.stderr
