@@ -95,8 +95,10 @@ def test_a_crash_loses_nothing_and_duplicates_stay_within_one_checkpoint(tmp_pat
     assert torch.isfinite(torch.tensor(b.loss))
 
 
-def test_the_replay_buffer_resumes_with_its_keys_and_a_checkpoint_from_before_keys_still_loads(tmp_path, world):
-    cfg, target = setup_run(tmp_path, world, replay_per_domain=4)  # the count cap binds: keys decide
+def _checkpointed(tmp_path, world):
+    """A trainer that trained on every record of the run (replay buffer of 4 a domain: the count cap binds, so
+    keys decide what is held) and wrote its checkpoint: (cfg, target, trainer)."""
+    cfg, target = setup_run(tmp_path, world, replay_per_domain=4)
     a = NearlineTrainer(cfg, target=target)
     a.start()
     a.poll()
@@ -104,6 +106,11 @@ def test_the_replay_buffer_resumes_with_its_keys_and_a_checkpoint_from_before_ke
         a.train_once(force=True)
     a.checkpoint()
     a.reader.close()
+    return cfg, target, a
+
+
+def test_the_replay_buffer_resumes_with_its_keys_and_a_checkpoint_from_before_keys_still_loads(tmp_path, world):
+    cfg, target, a = _checkpointed(tmp_path, world)
     b = NearlineTrainer(cfg, target=target)
     b.start()
     assert b.buffer.items() == a.buffer.items() and b.buffer.priorities() == a.buffer.priorities()
@@ -124,14 +131,7 @@ def test_a_checkpoint_whose_replay_buffer_is_refused_starts_from_the_champion_in
                                                                                                     world):
     """A refused buffer raised out of start(): the actor's loop died, Ray restarted it into the same error for
     good (a cluster run's trainer did so). Now the checkpoint is refused with its reason, nothing of it kept."""
-    cfg, target = setup_run(tmp_path, world, replay_per_domain=4)
-    a = NearlineTrainer(cfg, target=target)
-    a.start()
-    a.poll()
-    while a.fresh:
-        a.train_once(force=True)
-    a.checkpoint()
-    a.reader.close()
+    cfg, target, a = _checkpointed(tmp_path, world)
     meta_file = tmp_path / "work" / "state" / "trainer.json"
     meta = json.loads(meta_file.read_text())
     meta["buffer_priorities"]["keys"][0] = 2.0  # corrupt: outside [0, 1)
