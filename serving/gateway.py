@@ -144,10 +144,9 @@ class Gateway:
                 if name not in self._silent:  # logged when it stops answering (ae_replica_up shows every scrape)
                     self._silent.add(name)
                     log.warning("status of %s failed: %s", name, e)
-                self.router.replica_failed(slot.replica)  # routed to last until it answers again
+                self.router.replica_failed(slot.replica)  # passed over until it answers again
                 return None
-            if self.router.replica_ok(slot.replica):
-                await self.router.fleet_changed()  # requests waiting for a healthy replica may take it now
+            await self._replica_ok(slot.replica)
             if name in self._silent:
                 self._silent.discard(name)
                 log.info("%s answers its status again", name)
@@ -248,7 +247,7 @@ class Gateway:
             except BaseException:  # the client left (cancelled): not the replica's fault, and nothing to answer
                 await stack.aclose()
                 raise
-            self.router.replica_ok(replica)
+            await self._replica_ok(replica)
             rest = self._guarded(replica, events, req.request_id)
             stack.push_async_callback(rest.aclose)  # closed before the replica's stream (last in, first out)
             return ReplicaStream(first, rest, stack)
@@ -275,11 +274,17 @@ class Gateway:
             self._replica_failed(replica, e, rid)
             yield self._unavailable(replica, e)
 
+    async def _replica_ok(self, replica: Replica) -> None:
+        """`replica` answered (a status, a request's first event): healthy again; if it was a suspect, requests
+        waiting for a healthy replica may take it now."""
+        if self.router.replica_ok(replica):
+            await self.router.fleet_changed()
+
     def _replica_failed(self, replica: Replica, error: Exception, rid: str) -> None:
         log.warning("replica %s failed while serving request %s: %s: %s", replica.name, rid,
                     type(error).__name__, error)
         self.metrics.replica_failures.labels(replica.name).inc()
-        self.router.replica_failed(replica)  # routed to last while it may be gone
+        self.router.replica_failed(replica)  # passed over while it may be gone
 
     @staticmethod
     def _unavailable(replica: Replica, error: Exception) -> Refused:
