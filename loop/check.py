@@ -22,6 +22,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from loop.config import StackConfig, StackConfigError
+from policies.gates import health_canary_able_at
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,13 @@ def _live_minimums(cfg: StackConfig, problems: list[Problem], notes: list[str]) 
     gates, kept = cfg.policy.gates(), cfg.serving.live_samples_max
     needs = [("policy.canary_min_requests", gates.canary_min_requests), ("policy.rollback_window", gates.rollback_window)]
     if gates.canary_mode != "evidence":
-        needs.append(("policy.canary_health_requests", gates.canary_health_requests))
+        able = health_canary_able_at(gates)
+        needs.append(("policy.canary_health_requests", able))
+        if able > gates.canary_health_requests:
+            notes.append(f"policy.canary_health_requests ({gates.canary_health_requests}) is fewer than a health "
+                         f"canary needs before it can fail (collapse_min_requests {gates.collapse_min_requests}, "
+                         f"and its anytime bounds at confidence_level {gates.confidence_level}): it runs to {able} "
+                         "live requests a head")
     if gates.canary_mode != "health" and gates.sequential:  # its bounds run over every request since the start
         needs.append(("policy.canary_max_requests", gates.canary_max_requests))
     for name, need in needs:

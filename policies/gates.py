@@ -38,7 +38,7 @@ from adaptive_eagle.positions import bucket_label, bucket_of
 from adaptive_eagle.versions import PLAIN
 from policies.config import PolicyConfig
 from policies.samples import RequestSample
-from policies.sequential import paired_tail_path, quantile_bound
+from policies.sequential import first_bounded, quantile_bound, tail_evidence
 
 Action = Literal["promote", "reject", "continue", "rollback", "hold"]
 PROMOTE, REJECT, CONTINUE, ROLLBACK, HOLD = "promote", "reject", "continue", "rollback", "hold"
@@ -220,7 +220,7 @@ def compare(champion: Sequence[RequestSample], candidate: Sequence[RequestSample
     b = np.fromiter((values(s) for s in candidate), dtype=float, count=len(candidate))
     if len(a) < 2 or len(b) < 2:
         raise ValueError(f"compare needs >= 2 samples per head, got {len(a)} champion and {len(b)} candidate")
-    stat = config.tail_statistic
+    stat = config.tail_statistic if higher else "quantile"  # the cold start compares P95 TPOT itself
     tail_a, tail_b = sign * _tail(sign * a, q, stat), sign * _tail(sign * b, q, stat)
     low, high = tail_gain_interval(sign * a, sign * b, q=q, level=config.confidence_level,
                                    resamples=config.bootstrap_resamples, seed=config.seed, paired=paired,
@@ -334,47 +334,48 @@ def pair_in_order(champion: Sequence[RequestSample], candidate: Sequence[Request
 def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
                             config: PolicyConfig, *, final: bool = False) -> Decision:
     """Test-then-train evidence: both heads replayed on records that arrived after the candidate was written
-    (it never trained on them), in arrival order, judged every time the evidence grows. A sign test on the
-    records that touch the champion's tail (policies.sequential.paired_tail_path), as two anytime-valid test
-    martingales at 1 - config.confidence_level each:
+    (it never trained on them), in arrival order, judged every time the evidence grows. The test is of the tail
+    statistic itself (config.tail_statistic of per-record accept length at config.tail_quantile), paired and
+    anytime-valid in both directions (policies.sequential.tail_evidence):
 
-    - reject as soon as the candidate loses tail records significantly more often than it wins them;
-    - from config.min_samples pairs on, promote (to the canary) once it wins them significantly more often and
-      the point estimates agree: its tail (config.tail_statistic) is not below the champion's, the mean and
-      every checked domain within their tolerances (otherwise wait for more records);
+    - reject as soon as the test against "the candidate is no worse on the tail" is significant;
+    - from config.min_samples pairs on, promote (to the canary) once the test against "the candidate is no
+      better on the tail" is significant, and the mean and every checked domain and context bucket are within
+      their tolerances (otherwise wait for more records);
     - reject as inconclusive when `final` (the trainer closed the evidence) or at config.offline_max_samples.
 
-    However often it looks, an equal head is promoted with probability at most 1 - level (Ville's inequality;
-    tests/policies/test_sequential.py checks it by simulation)."""
+    The null the promotion controls: the candidate's tail statistic is at most the champion's (an equal head,
+    and every worse one, whatever the shape of its change). However often the gate looks, such a head is
+    promoted with probability at most 1 - level (tests/policies/test_offline_gate.py checks it by simulation;
+    bench/gate_sim.py writes the table in docs/results/)."""
     a_s, b_s = pair_in_order(champion, candidate)
     q, alpha = config.tail_quantile, 1.0 - config.confidence_level
     a = np.array([s.accept_length for s in a_s], dtype=float)
     b = np.array([s.accept_length for s in b_s], dtype=float)
-    n, bar = len(a), float(np.log(1.0 / alpha))
+    n = len(a)
     ev: dict = {"gate": "offline_sequential", "n": n, "needed": config.min_samples, "level": config.confidence_level,
                 "quantile": q, "statistic": config.tail_statistic, "final": final,
                 "dropped_unpaired": len(champion) + len(candidate) - 2 * n}
     if n == 0:
         return Decision(REJECT if final else CONTINUE, "no paired records" + (
             ": the evidence closed empty." if final else " yet."), ev)
-    path = paired_tail_path(a, b, q)
-    m_wins, m_losses = float(path["log_m_wins"].max()), float(path["log_m_losses"].max())
+    test = tail_evidence(a, b, q, alpha, config.tail_statistic)
     tail_a, tail_b = _tail(a, q, config.tail_statistic), _tail(b, q, config.tail_statistic)
     mean_a, mean_b = float(a.mean()), float(b.mean())
     domains = _domain_rows(a_s, b_s, lambda s: s.accept_length, 1.0, q, config)
     contexts = _context_rows(a_s, b_s, lambda s: s.accept_length, 1.0, config)
-    ev.update({"tail_records": int(path["touched"][-1]), "decided": int(path["decided"][-1]),
-               "wins": int(path["wins"][-1]), "e_wins": float(np.exp(min(m_wins, 700))),
-               "e_losses": float(np.exp(min(m_losses, 700))), "e_bar": 1.0 / alpha,
+    bar = float(np.exp(test["log_bar"]))
+    ev.update({"e_better": float(np.exp(min(test["log_e_better"], 700))),
+               "e_worse": float(np.exp(min(test["log_e_worse"], 700))), "e_bar": bar,
                "tail_champion": tail_a, "tail_candidate": tail_b, "tail_gain": tail_b - tail_a,
                "mean_champion": mean_a, "mean_candidate": mean_b, "mean_gain": mean_b - mean_a,
                "domains": [asdict(r) for r in domains], "contexts": [asdict(r) for r in contexts]})
     what = (f"p{round(100 * q)} accept length" if config.tail_statistic == "quantile"
             else f"mean accept length of the lowest {round(100 * q)}%")
-    record = f"{ev['wins']} of {ev['decided']} tail records won ({ev['tail_records']} touched the tail, {n} paired)"
-    if m_losses >= bar:
-        return Decision(REJECT, f"worse on the tail: {record}, significant at {config.confidence_level:.0%} "
-                                f"(e-value {ev['e_losses']:.1f} >= {1 / alpha:.0f}).", ev)
+    record = f"{what} {tail_a:.3f} -> {tail_b:.3f} over {n} paired records"
+    if test["log_e_worse"] >= test["log_bar"]:
+        return Decision(REJECT, f"worse on the tail: {record}, lower at {config.confidence_level:.0%} at any look "
+                                f"(e-value {ev['e_worse']:.1f} >= {bar:.0f}).", ev)
     closing = final or n >= config.offline_max_samples
     why_closed = "the evidence closed" if final else f"{config.offline_max_samples} paired records"
     if n < config.min_samples:
@@ -382,15 +383,13 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
             return Decision(REJECT, f"the evidence closed with {n} paired records, fewer than the "
                                     f"{config.min_samples} a promotion needs ({record}).", ev)
         return Decision(CONTINUE, f"need {config.min_samples} paired records, have {n} ({record}).", ev)
-    if m_wins < bar:
+    if test["log_e_better"] < test["log_bar"]:
         if closing:
-            return Decision(REJECT, f"inconclusive at {why_closed}: {record}, e-value {ev['e_wins']:.2f} under "
-                                    f"{1 / alpha:.0f}.", ev)
-        return Decision(CONTINUE, f"{record}: e-value {ev['e_wins']:.2f} of {1 / alpha:.0f}, not decided yet.", ev)
+            return Decision(REJECT, f"inconclusive at {why_closed}: {record}, e-value {ev['e_better']:.2f} under "
+                                    f"{bar:.0f}.", ev)
+        return Decision(CONTINUE, f"{record}: e-value {ev['e_better']:.2f} of {bar:.0f}, not decided yet.", ev)
     guard = None
-    if tail_b < tail_a:
-        guard = f"its {what} is lower ({tail_a:.3f} -> {tail_b:.3f})"
-    elif _dropped(mean_b - mean_a, mean_a, config.mean_tolerance):
+    if _dropped(mean_b - mean_a, mean_a, config.mean_tolerance):
         guard = (f"the mean accept length regresses ({mean_a:.3f} -> {mean_b:.3f}), more than the "
                  f"{config.mean_tolerance:.0%} tolerance")
     elif bad := [r for r in domains if r.regressed]:
@@ -401,12 +400,11 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
         guard = context_guard_reason(contexts, config)
     if guard is not None:
         if closing:
-            return Decision(REJECT, f"wins the tail's sign test ({record}) but {guard}, at {why_closed}.", ev)
-        return Decision(CONTINUE, f"wins the tail's sign test ({record}) but {guard}; waiting for more records.",
-                        ev)
-    return Decision(PROMOTE, f"{what} improves ({tail_a:.3f} -> {tail_b:.3f}, mean {mean_a:.3f} -> {mean_b:.3f}): "
-                             f"{record}, significant at {config.confidence_level:.0%} at any look (e-value "
-                             f"{ev['e_wins']:.1f} >= {1 / alpha:.0f}).", ev)
+            return Decision(REJECT, f"better on the tail ({record}) but {guard}, at {why_closed}.", ev)
+        return Decision(CONTINUE, f"better on the tail ({record}) but {guard}; waiting for more records.", ev)
+    return Decision(PROMOTE, f"{what} improves ({tail_a:.3f} -> {tail_b:.3f}, mean {mean_a:.3f} -> {mean_b:.3f}) "
+                             f"over {n} paired records: higher at {config.confidence_level:.0%} at any look "
+                             f"(e-value {ev['e_better']:.1f} >= {bar:.0f}).", ev)
 
 
 def canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
@@ -427,6 +425,14 @@ def _mean(xs) -> float | None:
     return float(np.mean(xs)) if len(xs) else None
 
 
+def health_canary_able_at(config: PolicyConfig) -> int:
+    """Live requests per head before a health canary can reject anything: its canary_health_requests, at least
+    the collapse rule's collapse_min_requests and the count at which its anytime bounds on the medians are
+    finite (fewer, and a passing canary would have checked nothing)."""
+    return max(config.canary_health_requests, config.collapse_min_requests,
+               first_bounded(0.5, (1.0 - config.confidence_level) / 4))
+
+
 def health_canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
                        config: PolicyConfig) -> Decision:
     """Live canary of a candidate whose gain the offline gate proved on exact (greedy) replay: it checks only
@@ -434,10 +440,13 @@ def health_canary_gate(champion: Sequence[RequestSample], candidate: Sequence[Re
     under config.collapse_accept_length over at least config.collapse_min_requests requests) or as soon as the
     anytime bounds on the medians show harm beyond config.canary_health_margin: the candidate's median accept
     length below the champion's, or its median time per output token above the champion's. Promote when both
-    heads served config.canary_health_requests without harm; continue before. The four bounds take
-    (1 - level) / 4 each, so a healthy candidate is rejected with probability at most 1 - level however often
-    the gate looks (policies/sequential.py)."""
+    heads served `health_canary_able_at(config)` requests without harm (canary_health_requests, or more when
+    the collapse rule or the bounds need more: a canary never passes before it could have failed); continue
+    before. The four bounds take (1 - level) / 4 each, so a healthy candidate is rejected with probability at
+    most 1 - level however often the gate looks (policies/sequential.py). A pass states the harm it could have
+    detected at its size."""
     m, alpha = config.canary_health_margin, (1.0 - config.confidence_level) / 4
+    able = health_canary_able_at(config)
     acc = [np.array([s.accept_length for s in side], dtype=float) for side in (champion, candidate)]
     tpot = [np.array([s.tpot_s for s in side if s.tpot_s is not None and np.isfinite(s.tpot_s)], dtype=float)
             for side in (champion, candidate)]
@@ -446,7 +455,7 @@ def health_canary_gate(champion: Sequence[RequestSample], candidate: Sequence[Re
         return float(np.median(x)) if len(x) else None
 
     ev: dict = {"gate": "canary_health", "n_champion": len(champion), "n_candidate": len(candidate),
-                "needed": config.canary_health_requests, "margin": m, "level": config.confidence_level,
+                "needed": able, "margin": m, "level": config.confidence_level,
                 "mean_champion": _mean(acc[0]), "mean_candidate": _mean(acc[1]),
                 "median_champion": median(acc[0]), "median_candidate": median(acc[1]),
                 "median_tpot_champion": median(tpot[0]), "median_tpot_candidate": median(tpot[1])}
@@ -467,14 +476,43 @@ def health_canary_gate(champion: Sequence[RequestSample], candidate: Sequence[Re
         return Decision(REJECT, f"live median time per output token is higher than the champion's by more than "
                                 f"{m:.0%}: {1000 * ev['median_tpot_champion']:.1f} -> "
                                 f"{1000 * ev['median_tpot_candidate']:.1f} ms (anytime bounds).", ev)
-    wait = _too_few("canary_health", len(acc[0]), len(acc[1]), config.canary_health_requests, "live requests")
+    wait = _too_few("canary_health", len(acc[0]), len(acc[1]), able, "live requests")
     if wait is not None:
-        return Decision(CONTINUE, wait.reason, ev)
+        why = ("" if able == config.canary_health_requests else
+               f" (canary_health_requests is {config.canary_health_requests}, but a health canary cannot fail before "
+               f"{able}: the collapse rule needs {config.collapse_min_requests} and the anytime bounds on the "
+               f"medians {first_bounded(0.5, alpha)})")
+        return Decision(CONTINUE, wait.reason + why, ev)
+    power = _health_power(ev, bounds, m)
+    ev.update(power)
     tp = ("" if ev["median_tpot_champion"] is None or ev["median_tpot_candidate"] is None else
           f", median TPOT {1000 * ev['median_tpot_champion']:.1f} -> {1000 * ev['median_tpot_candidate']:.1f} ms")
-    return Decision(PROMOTE, f"healthy live over {len(acc[1])} requests (no collapse, no harm beyond {m:.0%}): "
-                             f"median accept length {ev['median_champion']:.3f} -> {ev['median_candidate']:.3f}{tp}; "
-                             "the gain was proved by the offline gate on exact replay.", ev)
+    could = [f"a median accept length {power['detectable_accept_drop']:.0%} or more below the champion's"
+             if power["detectable_accept_drop"] is not None else None,
+             f"a median TPOT {power['detectable_tpot_rise']:.0%} or more above it"
+             if power["detectable_tpot_rise"] is not None else None]
+    could_text = " or ".join(c for c in could if c) or "no harm but a collapse (its bounds are still open)"
+    return Decision(PROMOTE, f"healthy live over {len(acc[1])} requests: no collapse (mean accept length "
+                             f"{ev['mean_candidate']:.3f}), median accept length {ev['median_champion']:.3f} -> "
+                             f"{ev['median_candidate']:.3f}{tp}. At this size it could detect {could_text}; a "
+                             "smaller harm could not be detected. The gain was proved by the offline gate on exact "
+                             "replay.", ev)
+
+
+def _health_power(ev: dict, bounds: dict, margin: float) -> dict:
+    """The harm a health canary could have detected at its size: the rule rejects when the candidate's upper
+    bound on its median accept length falls under (1 - margin) x the champion's lower bound, so with the
+    bounds' present width it sees a drop of 1 - (1 - margin) (L_champion / median_champion) (median_candidate
+    / U_candidate) or more (and the mirror for time per output token); None where a bound is still open."""
+    def ratio(x, y):
+        return x / y if x is not None and y and np.isfinite(x) and np.isfinite(y) else None
+
+    acc = [ratio(bounds["accept_lower_champion"], ev["median_champion"]),
+           ratio(ev["median_candidate"], bounds["accept_upper_candidate"])]
+    tp = [ratio(bounds["tpot_upper_champion"], ev["median_tpot_champion"]),
+          ratio(ev["median_tpot_candidate"], bounds["tpot_lower_candidate"])]
+    return {"detectable_accept_drop": None if None in acc else max(0.0, 1 - (1 - margin) * acc[0] * acc[1]),
+            "detectable_tpot_rise": None if None in tp else max(0.0, (1 + margin) * tp[0] * tp[1] - 1)}
 
 
 def sequential_canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],
@@ -576,8 +614,15 @@ def rollback_check(previous_baseline: Sequence[RequestSample], live_after_promot
         return Decision(ROLLBACK, f"{what} fell from {val(cmp.tail_champion)} to {val(cmp.tail_candidate)}, "
                                   f"interval [{gain(cmp.ci_low)}, {gain(cmp.ci_high)}] wholly below the "
                                   f"{config.rollback_margin:.0%} margin.", ev)
+    # what this window could see: a fall past the margin by more than half the interval's width puts the whole
+    # interval below the margin (a fall nearer the margin could pass unseen)
+    detectable = config.rollback_margin * abs(cmp.tail_champion) + (cmp.ci_high - cmp.ci_low) / 2
+    ev["detectable_fall"] = detectable
     return Decision(HOLD, f"watch passed: {what} {val(cmp.tail_champion)} -> {val(cmp.tail_candidate)} over {n} "
-                          f"requests, within the {config.rollback_margin:.0%} margin.", ev)
+                          f"requests, interval [{gain(cmp.ci_low)}, {gain(cmp.ci_high)}] not wholly below the "
+                          f"{config.rollback_margin:.0%} margin. At this size it could detect a fall of about "
+                          f"{val(detectable) if cmp.metric != 'tpot_s' else gain(detectable)} or more "
+                          f"({detectable / abs(cmp.tail_champion):.0%}); a smaller one could pass unseen.", ev)
 
 
 def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[RequestSample],
@@ -594,7 +639,7 @@ def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[Reque
 
 __all__ = [
     "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "ContextRow", "Decision",
-    "DomainRow", "context_guard_reason",
+    "DomainRow", "context_guard_reason", "health_canary_able_at",
     "canary_gate", "cold_start_gate", "compare", "health_canary_gate", "offline_gate", "pair_by_request",
     "pair_in_order", "rollback_check", "sequential_canary_gate", "sequential_offline_gate",
     "tail_gain_interval", "tail_of",

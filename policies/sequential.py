@@ -9,9 +9,14 @@ Owns: the one-sided quantile bounds the sequential gates use. Must not touch: de
 - ``quantile_bound``: the q-quantile of any distribution (ties and discrete values included), from order
   statistics whose rank comes from a test martingale for a Bernoulli(q) mean (a uniform mixture over the
   alternative side; Howard & Ramdas, "Sequential estimation of quantiles", 2022, build theirs the same way).
-- ``paired_tail_path``: paired evidence (two heads replayed on the same records, in arrival order): a sign test
-  on the records that touch the champion's tail, as two test martingales (the candidate wins such records
-  more often than it loses them; it loses them more often), for the sequential offline gate.
+- ``tail_evidence``: paired evidence (two heads replayed on the same records, in arrival order) about the tail
+  statistic itself, for the sequential offline gate: a test martingale against "the candidate's tail is no
+  better than the champion's" (and, with the heads swapped, "no worse"). For the lower-tail mean it bets on a
+  paired quantity whose mean bounds the tail difference from below, minus an anytime bound on what estimating
+  the champion's threshold can cost (`tail_mean_log_evalue_path`); for the quantile it counts the candidate's
+  records under an anytime upper bound on the champion's quantile (`quantile_log_evalue_path`). The null each
+  controls is the whole composite "not better on the tail", whatever the shape of the change: an equal head and
+  every worse one.
 
 Distribution-free: no range to assume (accept length and time per token have none that is tight), and the
 median's bound resolves a difference of a few tens of percent in a few dozen samples. (A betting bound on the
@@ -90,28 +95,18 @@ def rejecting_count(t: int, q: float, alpha: float) -> int:
     return lo
 
 
-def sign_log_martingale(wins: int, n: int, side: Literal["wins", "losses"] = "wins") -> float:
-    """log M of a test martingale against "P(win) <= 1/2" (side "wins"; "losses": against "P(win) >= 1/2")
-    after `wins` wins in `n` non-tied comparisons: a uniform mixture over the alternative p in (1/2, 1) of the
-    likelihood ratios (2p)^wins (2(1-p))^(n-wins), each a supermartingale under any p0 <= 1/2, so
-    M = 2^(n+1) B(wins+1, n-wins+1) P(Beta(wins+1, n-wins+1) > 1/2). M >= 1/alpha ever has probability <= alpha
-    under the null (Ville)."""
-    if not 0 <= wins <= n:
-        raise ValueError(f"wins must be in [0, n], got {wins} of {n}")
-    if side == "losses":
-        wins = n - wins
-    elif side != "wins":
-        raise ValueError(f"side must be 'wins' or 'losses', got {side!r}")
-    a, b = wins + 1.0, n - wins + 1.0
-    upper = betainc(b, a, 0.5)  # P(Beta(a, b) > 1/2) = I_{1/2}(b, a)
-    if upper <= 0:
-        return float("-inf")
-    return float((n + 1) * np.log(2.0) + betaln(a, b) + np.log(upper))
+def first_bounded(q: float, alpha: float) -> int:
+    """The fewest samples at which the one-sided anytime bound on the q-quantile (`quantile_bound`, lower side;
+    the upper side is the lower one of 1 - q) is finite: below it the bound can exclude nothing."""
+    t = 1
+    while rejecting_count(t, q, alpha) < 0:
+        t += 1
+    return t
 
 
 def tail_thresholds(champion: Sequence[float], q: float) -> np.ndarray:
-    """Predictable thresholds: element i is the q-quantile (inverted CDF: an observed value) of the champion's
-    first i values (-inf for i = 0: with nothing seen, the first record never touches the tail)."""
+    """Predictable thresholds: element i is the q-quantile (inverted CDF: an observed value) of the first i values
+    (-inf for i = 0)."""
     a = np.asarray(champion, dtype=float)
     out = np.full(len(a), -np.inf)
     seen: list[float] = []
@@ -122,28 +117,182 @@ def tail_thresholds(champion: Sequence[float], q: float) -> np.ndarray:
     return out
 
 
-def paired_tail_path(champion: Sequence[float], candidate: Sequence[float], q: float) -> dict[str, np.ndarray]:
-    """The sign test of the sequential offline gate, after each record (element t-1: the first t records).
-    Records are pairs (champion's and candidate's accept length on the same record) in arrival order. A record
-    *touches the tail* when the lower of its two values is at or under the champion's q-quantile of the records
-    before it (a predictable threshold; the first record never touches it). On those records with a
-    difference, a win is the candidate higher. The selection depends only on the unordered pair, so for two
-    equal heads (either value equally likely to be either head's) each counted record is a fair coin and both
-    martingales are test martingales under "the candidate is no better (worse) on the tail".
+def bernoulli_below_log_martingale(below: int, n: int, q: float) -> float:
+    """log M of the test martingale against "P(X_i = 1 | past) >= q" after `below` ones in n indicators: the
+    uniform mixture over the alternative r in (0, q) of the likelihood ratios (r/q)^below ((1-r)/(1-q))^(n-below)
+    (`rejecting_count` inverts the same martingale for one fixed threshold)."""
+    if not 0 <= below <= n:
+        raise ValueError(f"below must be in [0, n], got {below} of {n}")
+    a, b = below + 1.0, n - below + 1.0
+    mass = betainc(a, b, q)
+    if mass <= 0:
+        return float("-inf")
+    return float(betaln(a, b) + np.log(mass) - np.log(q) - below * np.log(q) - (n - below) * np.log1p(-q))
 
-    Returns arrays: touched (tail records so far), decided (of them, not tied), wins, log_m_wins,
-    log_m_losses."""
+
+# ---- the tail difference itself: the offline gate's test ----------------------------------------------------
+# Multiples of q at which the champion's distribution function is bounded to price the estimated threshold of
+# the lower-tail mean (`_gap_bounds`); q itself is bounded on both sides.
+BAND_LEVELS = (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0)
+BAND_SHARE = 0.5  # of alpha: the band's bounds together; the rest goes to the test martingale
+CAP = 0.9  # a bet is at most CAP of what keeps every factor positive
+PENALTY_BET = 0.3  # the bet's estimate of the mean subtracts this share of the predictable gap bound
+
+
+def _band(x: np.ndarray, q: float, alpha: float) -> tuple[list[tuple[float, np.ndarray]], list[tuple[float, np.ndarray]]]:
+    """Running anytime bounds on the quantiles of x at the BAND_LEVELS multiples of q: lower bounds (levels >= q)
+    and upper bounds (levels <= q), alpha shared equally among them."""
+    levels = sorted({min(0.99, q * m) for m in BAND_LEVELS})
+    sides = [(p, "lower") for p in levels if p >= q] + [(p, "upper") for p in levels if p <= q]
+    each = alpha / len(sides)
+    lows = [(p, quantile_bound_path(x, p, each, "lower")) for p, side in sides if side == "lower"]
+    ups = [(p, quantile_bound_path(x, p, each, "upper")) for p, side in sides if side == "upper"]
+    return lows, ups
+
+
+def _gap_bounds(t: np.ndarray, q: float, lows: list[tuple[float, float]], ups: list[tuple[float, float]]) -> np.ndarray:
+    """An upper bound on LTM(X) - phi(t) at each threshold t, where phi(t) = t - E[(t - X)+] / q, LTM is the mean
+    of X's lowest q share (= max over t of phi, reached at the q-quantile t*) and the band holds: Q(p) >= L_p for
+    (p, L_p) in lows, Q(p) <= U_p for (p, U_p) in ups. phi is concave with slope 1 - F(s)/q, so
+    LTM - phi(t) = integral from t to t* of (1 - F/q) (t < t*; its mirror for t > t*), and the band bounds F
+    on either side: F(s) >= p for s >= U_p, F(s) < p for s < L_p. Infinite while the band cannot bound t*."""
+    t = np.asarray(t, dtype=float)
+    u_q, l_q = dict(ups)[q], dict(lows)[q]
+    if not (np.isfinite(u_q) and np.isfinite(l_q)):
+        return np.full(t.shape, np.inf)
+    below = np.zeros(t.shape)  # t < t* <= U_q: integrate (1 - F_lo(s)/q)+ over [t, U_q]
+    steps = sorted((u, p) for p, u in ups if np.isfinite(u))
+    edges = [-np.inf] + [u for u, _ in steps] + [u_q]
+    f_lo = np.maximum.accumulate([0.0] + [p for _, p in steps]) if steps else np.array([0.0])
+    for k in range(len(edges) - 1):
+        lo, hi = edges[k], min(edges[k + 1], u_q)
+        height = 1.0 - f_lo[k] / q
+        if height > 0 and hi > lo:
+            below += height * np.maximum(0.0, hi - np.maximum(t, lo))
+    above = np.zeros(t.shape)  # L_q <= t* < t: integrate (F_hi(s)/q - 1)+ over [L_q, t]
+    steps = sorted((l, p) for p, l in lows if np.isfinite(l))
+    edges = [l for l, _ in steps] + [np.inf]
+    levels = [p for _, p in steps]
+    for k in range(len(edges) - 1):
+        lo, hi = max(edges[k], l_q), edges[k + 1]
+        height = min(levels[k + 1:], default=1.0) / q - 1.0  # F(s) < the lowest level whose L_p is above s
+        if height > 0 and hi > lo:
+            above += height * np.maximum(0.0, np.minimum(t, hi) - lo)
+    return np.maximum(below, above)
+
+
+def tail_mean_log_evalue_path(champion: Sequence[float], candidate: Sequence[float], q: float, alpha: float,
+                              *, floor: float = 1.0, looks: Sequence[int] | None = None) -> np.ndarray:
+    """log e-value against "the candidate's lower-tail mean (mean of its lowest q share) is at most the
+    champion's", at each look (a record count; every record by default). Paired records in arrival order.
+
+    Why it tests the tail difference itself: for any threshold t, phi_b(t) = t - E[(t - b)+] / q is at most
+    LTM(b) (the Rockafellar-Uryasev form: LTM is the max of phi), so
+        LTM(b) - LTM(a) >= E[g(t)] - gap(t),  g(t) = ((t - a)+ - (t - b)+) / q,  gap(t) = LTM(a) - phi_a(t) >= 0,
+    with g a paired quantity (records the two heads score alike cancel). t_i is the champion's running
+    q-quantile (predictable), gap(t_i) is bounded by `_gap_bounds` from an anytime band on the champion's
+    quantiles (BAND_SHARE of alpha), and the betting martingale prod(1 + lambda_i (g_i - c_i)), c_i the bound,
+    is a test supermartingale under the null while the band holds (lambda_i predictable and capped so every
+    factor stays positive: g >= -(t - floor) / q since every value is at least `floor`). So
+    P(ever e >= 1 / (BAND_SHARE' alpha)) <= alpha: Ville's inequality plus the band's error. The bound of every
+    past record's gap tightens as the band does (each look uses the band at that look), which is what keeps
+    the test's cost of not knowing the champion's quantile small.
+
+    Compare with `tail_log_bar(alpha)`: the value to reach."""
     a, b = np.asarray(champion, dtype=float), np.asarray(candidate, dtype=float)
     if a.shape != b.shape:
         raise ValueError(f"paired values differ in length: {len(a)} champion, {len(b)} candidate")
-    tau = tail_thresholds(a, q)
-    touch = np.minimum(a, b) <= tau
-    decided = touch & (a != b)
-    touched, n, wins = np.cumsum(touch), np.cumsum(decided), np.cumsum(decided & (b > a))
-    log_w = np.array([sign_log_martingale(int(w), int(k)) for w, k in zip(wins, n)])
-    log_l = np.array([sign_log_martingale(int(w), int(k), "losses") for w, k in zip(wins, n)])
-    return {"touched": touched, "decided": n, "wins": wins, "log_m_wins": log_w, "log_m_losses": log_l}
+    if len(a) and min(a.min(), b.min()) < floor:
+        raise ValueError(f"values must be >= floor {floor}, got {min(a.min(), b.min())}")
+    n = len(a)
+    looks = list(range(1, n + 1)) if looks is None else [int(m) for m in looks]
+    out = np.zeros(len(looks))
+    if n == 0:
+        return out
+    lows, ups = _band(a, q, alpha * BAND_SHARE)
+    t = tail_thresholds(a, q)
+    burn = int(np.ceil(2 / q))  # thresholds from fewer records than this are too rough to bet on
+    g = np.zeros(n)
+    ok = np.isfinite(t)
+    g[ok] = (np.maximum(t[ok] - a[ok], 0.0) - np.maximum(t[ok] - b[ok], 0.0)) / q
+    reach = np.maximum(t - floor, 0.0) / q  # g >= -reach
+    lam, prev_gap = np.zeros(n), np.full(n, np.inf)
+    total, total_sq, count = 0.0, 0.0, 0
+    for i in range(burn, n):
+        prev_gap[i] = _gap_bounds(t[i:i + 1], q, [(p, L[i - 1]) for p, L in lows],
+                                  [(p, U[i - 1]) for p, U in ups])[0]
+        if count >= 2 and np.isfinite(prev_gap[i]):
+            mean = total / count - PENALTY_BET * prev_gap[i]
+            var = max(total_sq / count - (total / count) ** 2, 1e-6)
+            cap = CAP / (reach[i] + prev_gap[i]) if reach[i] + prev_gap[i] > 0 else 0.0
+            lam[i] = float(np.clip(mean / (var + mean * mean), 0.0, cap))
+        total, total_sq, count = total + g[i], total_sq + g[i] ** 2, count + 1
+    for j, m in enumerate(looks):
+        if m <= burn:
+            continue
+        idx = np.arange(burn, m)
+        idx = idx[lam[idx] > 0]
+        if not len(idx):
+            continue
+        gap = np.minimum(_gap_bounds(t[idx], q, [(p, L[m - 1]) for p, L in lows],
+                                     [(p, U[m - 1]) for p, U in ups]), prev_gap[idx])
+        out[j] = float(np.log1p(lam[idx] * (g[idx] - gap)).sum())
+    return out
 
 
-__all__ = ["paired_tail_path", "quantile_bound", "quantile_bound_path", "rejecting_count", "sign_log_martingale",
+def quantile_log_evalue_path(champion: Sequence[float], candidate: Sequence[float], q: float, alpha: float,
+                             *, looks: Sequence[int] | None = None) -> np.ndarray:
+    """log e-value against "the candidate's q-quantile is at most the champion's", at each look. U_i, an anytime
+    upper bound on the champion's q-quantile from the records before i (BAND_SHARE of alpha), is at least
+    that quantile at every i while it holds; under the null the candidate's quantile is then at most U_i, so
+    P(b_i <= U_i | past) >= q, and `bernoulli_below_log_martingale` of the indicators b_i <= U_i is a test
+    martingale. Rejecting it says the candidate's q-quantile lies above the champion's."""
+    a, b = np.asarray(champion, dtype=float), np.asarray(candidate, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError(f"paired values differ in length: {len(a)} champion, {len(b)} candidate")
+    n = len(a)
+    looks = list(range(1, n + 1)) if looks is None else [int(m) for m in looks]
+    if n == 0:
+        return np.zeros(len(looks))
+    upper = quantile_bound_path(a, q, alpha * BAND_SHARE, "upper")
+    bound = np.concatenate([[np.inf], upper[:-1]])  # predictable: from the records before
+    counted = np.isfinite(bound)
+    below = np.cumsum(counted & (b <= bound))
+    seen = np.cumsum(counted)
+    return np.array([bernoulli_below_log_martingale(int(below[m - 1]), int(seen[m - 1]), q) if m else 0.0
+                     for m in looks])
+
+
+def tail_log_bar(alpha: float) -> float:
+    """The log e-value a tail test must reach to be significant at 1 - alpha (the rest went to its band)."""
+    return float(np.log(1.0 / (alpha * (1.0 - BAND_SHARE))))
+
+
+def tail_evidence_path(champion: Sequence[float], candidate: Sequence[float], q: float, alpha: float,
+                       statistic: Literal["quantile", "tail_mean"], *, floor: float = 1.0,
+                       looks: Sequence[int] | None = None) -> np.ndarray:
+    """log e-value against "the candidate is no better on the tail" (config.tail_statistic at q) at each look
+    (every record by default); compare with `tail_log_bar(alpha)`. Swap the arguments for "no worse"."""
+    if statistic == "tail_mean":
+        return tail_mean_log_evalue_path(champion, candidate, q, alpha, floor=floor, looks=looks)
+    if statistic == "quantile":
+        return quantile_log_evalue_path(champion, candidate, q, alpha, looks=looks)
+    raise ValueError(f"statistic must be 'quantile' or 'tail_mean', got {statistic!r}")
+
+
+def tail_evidence(champion: Sequence[float], candidate: Sequence[float], q: float, alpha: float,
+                  statistic: Literal["quantile", "tail_mean"], *, floor: float = 1.0) -> dict[str, float]:
+    """Both directions of the paired tail test at the last record: log e-values against "the candidate is no
+    better on the tail" (better) and against "it is no worse" (worse: the same test with the heads swapped), and
+    the bar each must reach. Each controls its null at alpha at every look."""
+    n = len(champion)
+    if not n:
+        return {"log_e_better": 0.0, "log_e_worse": 0.0, "log_bar": tail_log_bar(alpha)}
+    better = tail_evidence_path(champion, candidate, q, alpha, statistic, floor=floor, looks=[n])[0]
+    worse = tail_evidence_path(candidate, champion, q, alpha, statistic, floor=floor, looks=[n])[0]
+    return {"log_e_better": float(better), "log_e_worse": float(worse), "log_bar": tail_log_bar(alpha)}
+
+
+__all__ = ["BAND_LEVELS", "BAND_SHARE", "bernoulli_below_log_martingale", "first_bounded", "quantile_bound", "quantile_bound_path",
+           "quantile_log_evalue_path", "rejecting_count", "tail_evidence", "tail_evidence_path", "tail_log_bar", "tail_mean_log_evalue_path",
            "tail_thresholds"]

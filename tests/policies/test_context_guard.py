@@ -91,7 +91,7 @@ def test_samples_without_a_context_position_are_not_sliced():
 
 
 def test_the_sequential_offline_gate_waits_then_rejects_naming_the_bucket():
-    cfg = small_config(min_samples=200, offline_max_samples=5000)
+    cfg = small_config(min_samples=200, offline_max_samples=5000, tail_quantile=0.25)
     champion, candidate = short_gain_long_loss()
     order = np.random.default_rng(1).permutation(len(champion))  # arrival order: short and long interleaved
     champion, candidate = [champion[i] for i in order], [candidate[i] for i in order]
@@ -132,7 +132,7 @@ def test_test_then_train_evidence_carries_the_context_to_the_gate():
     from adaptive_eagle.evidence import CandidateEvidence
     from loop.candidates import evidence_samples
 
-    cfg = small_config(min_samples=200, offline_max_samples=5000)
+    cfg = small_config(min_samples=200, offline_max_samples=5000, tail_quantile=0.25)
     champion, candidate = short_gain_long_loss()
     order = np.random.default_rng(1).permutation(len(champion))
     ev = CandidateEvidence(version="v2", champion="v1")

@@ -365,9 +365,9 @@ def test_sampled_replay_gets_the_evidence_canary(tmp_path, registry_template):
 # ---- test-then-train evidence: the sequential offline gate, looked at as the evidence grows -------------------
 def test_growing_evidence_is_judged_at_every_look_and_logged_once(tmp_path, registry_template):
     """consider(sequential=True): an undecided look leaves the policy idle and writes nothing to the log after
-    the first `considered`; the look at which the sign test passes starts the canary."""
+    the first `considered`; the look at which the tail test passes starts the canary."""
     w = make_world(tmp_path, registry_template)
-    w.ctrl.config = CFG.model_copy(update={"min_samples": 20})
+    w.ctrl.config = CFG.model_copy(update={"min_samples": 20, "tail_quantile": 0.25})
     champ, cand = replay(0.0, 0.3, n=300)
     looks = []
     for n in range(5, 301, 5):
@@ -383,7 +383,7 @@ def test_growing_evidence_is_judged_at_every_look_and_logged_once(tmp_path, regi
 
 def test_evidence_that_closes_undecided_is_rejected_as_inconclusive(tmp_path, registry_template):
     w = make_world(tmp_path, registry_template)
-    w.ctrl.config = CFG.model_copy(update={"min_samples": 20})
+    w.ctrl.config = CFG.model_copy(update={"min_samples": 20, "tail_quantile": 0.25})
     champ, cand = replay(0.0, 0.0, n=30)
     assert w.ctrl.consider("v2", champ, cand, sequential=True).action == CONTINUE
     assert w.ctrl.status()["gathering"] == ["v2"]
@@ -405,7 +405,7 @@ def test_the_feed_rereads_growing_evidence_and_refuses_a_malformed_file(tmp_path
     from loop.candidates import CandidateFeed
 
     w = make_world(tmp_path, registry_template)
-    w.ctrl.config = CFG.model_copy(update={"min_samples": 20})
+    w.ctrl.config = CFG.model_copy(update={"min_samples": 20, "tail_quantile": 0.25})
 
     class Policy:  # the policy actor's two calls, on the real controller
         async def status(self):
@@ -451,7 +451,7 @@ def test_the_watch_baseline_is_the_previous_champions_recent_requests_not_only_i
     w.ctrl.config = CFG.model_copy(update={"sequential": True, "canary_health_requests": 5})
     w.traffic.serve(300)  # v1 serves alone before the candidate arrives
     assert w.ctrl.consider("v2", *replay(0.0, 0.3), exact_replay=True).action == PROMOTE
-    assert w.run_canary(12).action == PROMOTE
+    assert w.run_canary(48).action == PROMOTE  # 24 a head: a health canary cannot fail before collapse_min_requests
     base = w.ctrl._watch.baseline
     assert len(base) == CFG.rollback_window and {s.head_version for s in base} == {"v1"}
     few = samples([3.0] * 4, "v1")

@@ -6,10 +6,9 @@ checked after every sample as a policy that ticks would:
   the configured rate (the one-look bootstrap canary looked at as often promotes far more: why the sequential
   one exists), and a head 5% better is promoted within 4,000 live requests a head;
 - a health canary rejects an equal head no more often than the configured rate however often it looks, and
-  rejects a collapsed, a less accepting or a slower head early;
-- the sequential offline gate on test-then-train evidence (paired records in arrival order) promotes an equal
-  head no more often than the configured rate however often it looks, promotes a head 5% better within 300
-  records at the demo's tail and 1,000 at prod's, and rejects a worse head early.
+  rejects a collapsed, a less accepting or a slower head early.
+
+The sequential offline gate (paired test-then-train evidence) has its own file, test_offline_gate.py.
 
 Every bound is running (a decision it allowed once stays allowed), so the gate's rule checked after each sample
 is the rule applied to the bounds' paths; `test_the_gates_agree_with_the_paths` ties the two together."""
@@ -19,11 +18,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies.gates import (CONTINUE, PROMOTE, REJECT, canary_gate, health_canary_gate, sequential_canary_gate,
-                            sequential_offline_gate)
+from policies.gates import CONTINUE, PROMOTE, REJECT, canary_gate, health_canary_gate, sequential_canary_gate
 from policies.samples import RequestSample
-from policies.sequential import (paired_tail_path, quantile_bound, quantile_bound_path, rejecting_count,
-                                 sign_log_martingale)
+from policies.sequential import quantile_bound, quantile_bound_path, rejecting_count
 from tests.policies.helpers import samples, small_config
 
 
@@ -184,83 +181,3 @@ def test_the_health_canary_stops_a_collapsed_a_less_accepting_or_a_slower_head_e
     ok = health_canary_gate(live(a[:50], "v1", ta[:50]), live(b, "v2", tb), cfg)
     assert ok.action == PROMOTE and "healthy live over 50 requests" in ok.reason and ok.evidence["gate"] == \
         "canary_health"
-
-
-# ---- the sequential offline gate (test-then-train evidence) -----------------------------------------------
-def paired(rng, n: int, scale: float = 1.0, noise: float = 0.05):
-    """Both heads replayed on the same records: a record's difficulty sets both accept lengths (the shared
-    1 + Gamma(4, 0.18) of `accept_lengths`), each head adds its own 5% noise; "5% better": times 1.05."""
-    g = 1.0 + rng.gamma(4.0, 0.18, n)
-    return (np.maximum(1.0, g * (1 + rng.normal(0, noise, n))),
-            np.maximum(1.0, g * scale * (1 + rng.normal(0, noise, n))))
-
-
-def offline_promoted_at(a, b, q: float, level: float, first: int = 1):
-    """The first record count at which the sign test's promote martingale has reached 1/alpha (from `first`
-    on), checked after every record; None if never."""
-    path = paired_tail_path(a, b, q)
-    hit = np.nonzero(np.maximum.accumulate(path["log_m_wins"]) >= np.log(1 / (1 - level)))[0]
-    hit = hit[hit >= first - 1]
-    return int(hit[0]) + 1 if len(hit) else None
-
-
-def test_the_sign_martingale_is_the_mixture_it_claims():
-    """M = 2 x integral over p in (1/2, 1) of (2p)^wins (2(1-p))^losses, and its mirror for losses."""
-    from scipy.integrate import quad
-
-    for wins, n in ((0, 0), (7, 10), (3, 10), (18, 20)):
-        want = 2 * quad(lambda p: (2 * p) ** wins * (2 * (1 - p)) ** (n - wins), 0.5, 1)[0]
-        assert np.isclose(np.exp(sign_log_martingale(wins, n)), want, rtol=1e-9)
-        mirror = 2 * quad(lambda p: (2 * p) ** wins * (2 * (1 - p)) ** (n - wins), 0, 0.5)[0]
-        assert np.isclose(np.exp(sign_log_martingale(wins, n, "losses")), mirror, rtol=1e-9)
-
-
-def test_an_equal_head_is_rarely_promoted_by_the_sequential_offline_gate_however_often_it_looks():
-    """Equal heads replayed on the same 600 records, the rule checked after every record: promotions at most
-    1 - level, at the demo's tail (q 0.25, level 0.8: errors frequent enough to count) and prod's (q 0.05)."""
-    rng = np.random.default_rng(8)
-    runs = 200
-    for q, level in ((0.25, 0.8), (0.05, 0.8)):
-        promoted = sum(offline_promoted_at(*paired(rng, 600), q, level) is not None for _ in range(runs))
-        assert promoted / runs <= 1 - level, (q, promoted)
-
-
-def test_a_head_five_percent_better_is_promoted_offline_within_a_stated_number_of_records():
-    """Every record's accept length 5% higher: at level 0.95 the sign test passes within 300 paired records at
-    the demo's tail (q 0.25) and within 1,000 at prod's (q 0.05) in at least 18 of 20 runs."""
-    rng = np.random.default_rng(9)
-    for q, within in ((0.25, 300), (0.05, 1000)):
-        times = [offline_promoted_at(*paired(rng, within, 1.05), q, 0.95) for _ in range(20)]
-        assert sum(t is not None for t in times) >= 18, (q, times)
-
-
-def test_the_sequential_offline_gate_agrees_with_the_path_rejects_a_worse_head_early_and_closes_inconclusive():
-    rng = np.random.default_rng(10)
-    cfg = small_config(min_samples=20, min_domain_samples=5, tail_quantile=0.25, tail_statistic="tail_mean",
-                       mean_tolerance=0.5, domain_tolerance=0.5)
-    a, b = paired(rng, 1000, 1.08)
-    k = offline_promoted_at(a, b, cfg.tail_quantile, cfg.confidence_level, first=cfg.min_samples)
-    assert k is not None
-    before = sequential_offline_gate(samples(a[:k - 1], "v1"), samples(b[:k - 1], "v2"), cfg)
-    at = sequential_offline_gate(samples(a[:k], "v1"), samples(b[:k], "v2"), cfg)
-    assert before.action == CONTINUE and at.action == PROMOTE, (before.reason, at.reason)
-    assert at.evidence["gate"] == "offline_sequential" and at.evidence["e_wins"] >= 20 and "tail records won" in \
-        at.reason
-    assert sequential_offline_gate(samples(a[:10], "v1"), samples(b[:10], "v2"), cfg).action == CONTINUE  # < 20
-    short = sequential_offline_gate(samples(a[:10], "v1"), samples(b[:10], "v2"), cfg, final=True)
-    assert short.action == REJECT and "fewer than the 20" in short.reason  # closed early: never promoted
-    a, w = paired(rng, 300, 0.9)
-    worse = sequential_offline_gate(samples(a, "v1"), samples(w, "v2"), cfg)
-    assert worse.action == REJECT and worse.reason.startswith("worse on the tail")
-    a, e = paired(rng, 40)
-    open_ = sequential_offline_gate(samples(a, "v1"), samples(e, "v2"), cfg)
-    final = sequential_offline_gate(samples(a, "v1"), samples(e, "v2"), cfg, final=True)
-    assert open_.action == CONTINUE and final.action == REJECT and "inconclusive" in final.reason
-    capped = cfg.model_copy(update={"offline_max_samples": 40})
-    assert sequential_offline_gate(samples(a, "v1"), samples(e, "v2"), capped).action == REJECT
-    # a sign test won while the point tail is lower waits, and is rejected once the evidence closes
-    a = paired(rng, 200)[0]
-    b_low = a + 0.01  # a hair better on every record ...
-    b_low[np.argsort(a)[80:92]] = 1.0  # ... but twelve middling records collapse to plain decoding
-    mixed = [sequential_offline_gate(samples(a, "v1"), samples(b_low, "v2"), cfg, final=f) for f in (False, True)]
-    assert [d.action for d in mixed] == [CONTINUE, REJECT] and "is lower" in mixed[1].reason
