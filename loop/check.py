@@ -16,6 +16,7 @@ the stack fills in is held to the same rules as a value written in the file.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +136,17 @@ def _live_minimums(cfg: StackConfig, problems: list[Problem], notes: list[str]) 
                          "live requests a head")
     if gates.canary_mode != "health" and gates.sequential:  # its bounds run over every request since the start
         needs.append(("policy.canary_max_requests", gates.canary_max_requests))
+        # ... of both heads: while the candidate serves canary_fraction of the traffic, the champion serves the
+        # rest, and a champion whose oldest canary requests were evicted turns the bounds into a sliding window
+        f = gates.canary_fraction
+        champion_need = math.ceil(gates.canary_max_requests * (1 - f) / f)
+        if champion_need > kept:
+            fields = ("policy.canary_max_requests", "policy.canary_fraction", "serving.live_samples_max")
+            problems.append(Problem(fields, (
+                f"an evidence canary may run until the candidate served {gates.canary_max_requests} requests, by "
+                f"when the champion served about {champion_need} (canary_fraction {f}), but the gateway keeps only "
+                f"the last {kept} per head: its anytime bounds would lose the canary's first requests. Raise "
+                f"serving.live_samples_max to >= {champion_need}, or lower policy.canary_max_requests")))
     for name, need in needs:
         if need > kept:
             problems.append(Problem((name, "serving.live_samples_max"), (

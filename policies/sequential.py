@@ -139,7 +139,10 @@ CAP = 0.9  # a bet is at most CAP of what keeps every factor positive
 PENALTY_BET = 0.3  # the bet's estimate of the mean subtracts this share of the predictable gap bound
 
 
-def _band(x: np.ndarray, q: float, alpha: float) -> tuple[list[tuple[float, np.ndarray]], list[tuple[float, np.ndarray]]]:
+Band = list[tuple[float, np.ndarray]]  # (level p, running bound on the p-quantile after each sample)
+
+
+def _band(x: np.ndarray, q: float, alpha: float) -> tuple[Band, Band]:
     """Running anytime bounds on the quantiles of x at the BAND_LEVELS multiples of q: lower bounds (levels >= q)
     and upper bounds (levels <= q), alpha shared equally among them."""
     levels = sorted({min(0.99, q * m) for m in BAND_LEVELS})
@@ -293,6 +296,6 @@ def tail_evidence(champion: Sequence[float], candidate: Sequence[float], q: floa
     return {"log_e_better": float(better), "log_e_worse": float(worse), "log_bar": tail_log_bar(alpha)}
 
 
-__all__ = ["BAND_LEVELS", "BAND_SHARE", "bernoulli_below_log_martingale", "first_bounded", "quantile_bound", "quantile_bound_path",
-           "quantile_log_evalue_path", "rejecting_count", "tail_evidence", "tail_evidence_path", "tail_log_bar", "tail_mean_log_evalue_path",
-           "tail_thresholds"]
+__all__ = ["BAND_LEVELS", "BAND_SHARE", "bernoulli_below_log_martingale", "first_bounded", "quantile_bound",
+           "quantile_bound_path", "quantile_log_evalue_path", "rejecting_count", "tail_evidence", "tail_evidence_path",
+           "tail_log_bar", "tail_mean_log_evalue_path", "tail_thresholds"]

@@ -62,7 +62,9 @@ class ServingConfig(BaseModel):
     sglang: Optional[SGLangConfig] = Field(None, description="the SGLang server of each replica (backend "
                                            "'sglang'; replica i uses port + i)")
     engine: EngineParams = Field(default_factory=EngineParams, description="reference engine tree parameters")
-    live_samples_max: int = Field(20_000, ge=1, description="per-head finished-request samples kept for the policy")
+    live_samples_max: int = Field(40_000, ge=1, description=(
+        "per-head finished-request samples kept for the policy (an evidence canary at canary_fraction 0.1 that runs to "
+        "4,000 candidate requests needs 36,000 of the champion's)"))
 
     @model_validator(mode="after")
     def _check(self) -> "ServingConfig":

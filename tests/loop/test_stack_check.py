@@ -97,7 +97,7 @@ def test_every_shipped_config_passes_the_check(tmp_path, monkeypatch):
     ({"trainer": {"heldout_per_domain": 250}, "policy": {"min_samples": 240, "min_domain_samples": 240}}, None),
     ({"trainer": {"candidate_evidence_records": 50}}, ("trainer.candidate_evidence_records", "policy.min_samples")),
     ({"trainer": {"candidate_evidence_records": 50, "evidence": "heldout"}}, None),  # unused by held-out evidence
-    ({"policy": {"canary_min_requests": 30_000, "canary_max_requests": 30_000}},
+    ({"policy": {"canary_min_requests": 50_000, "canary_max_requests": 50_000}},
      ("policy.canary_min_requests", "serving.live_samples_max")),
     ({"policy": {"rollback_window": 500}, "serving": {"live_samples_max": 400}},
      ("policy.rollback_window", "serving.live_samples_max")),
@@ -320,3 +320,17 @@ def test_a_built_in_target_needs_its_package_or_its_materialised_copy(tmp_path, 
     marker.parent.mkdir(parents=True)
     marker.write_text("{}")  # materialised earlier: load_target reads the cache
     assert check_stack(cfg).ok
+
+
+def test_an_evidence_canary_whose_champion_side_would_outgrow_the_kept_samples_is_refused():
+    """At canary_fraction 0.1 the champion serves 9 requests for each of the candidate's: a canary that may run to
+    4,000 candidate requests needs 36,000 of the champion's, or its any-look bounds become a sliding window."""
+    from loop.check import check_stack
+
+    cfg = parse_stack_config({"policy": {"canary_fraction": 0.1, "canary_max_requests": 4000},
+                              "serving": {"live_samples_max": 20000}}, "t")
+    problems = [p for p in check_stack(cfg).problems if "serving.live_samples_max" in p.fields]
+    assert problems and "36000" in problems[0].message and "policy.canary_fraction" in problems[0].fields
+    ok = parse_stack_config({"policy": {"canary_fraction": 0.1, "canary_max_requests": 4000},
+                             "serving": {"live_samples_max": 36000}}, "t")
+    assert not [p for p in check_stack(ok).problems if "serving.live_samples_max" in p.fields]
