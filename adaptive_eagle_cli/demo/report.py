@@ -20,7 +20,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -93,19 +93,39 @@ def event_seconds(event, t0: float) -> float:
     return datetime.fromisoformat(event.time.replace("Z", "+00:00")).timestamp() - t0
 
 
+def helped_drifted_domain(results: Sequence[RequestResult], counts: dict, phases: Sequence[Phase], version: str) -> \
+        Optional[bool]:
+    """Whether `version`, on the drifted domain's requests it served, beat the frozen head replayed on the same
+    requests (accept length over their verify steps); None when it served none of them."""
+    if len(phases) < 2:
+        return None
+    drifted = phases[1].domain
+    own = [counts[r.request_id] for r in results
+           if r.ok and r.head_version == version and r.domain == drifted and r.request_id in counts]
+    served, frozen = _trimmed([c.served for c in own]), _trimmed([c.frozen for c in own])
+    return None if served is None or frozen is None else served > frozen
+
+
 def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[float], events: Sequence,
-                  rows: Sequence[Row]) -> dict:
+                  rows: Sequence[Row], helped: Callable[[str], Optional[bool]] = lambda version: True) -> dict:
     """How fast the loop answered the drift. From the drift's onset (the second phase's start): the first
-    candidate the trainer wrote and the first promotion (seconds; None when none came). recovered_fraction:
-    the share of the drift's accept-length drop that the adapted stack won back after adaptation, on the
-    same requests as the frozen head: (adapted - frozen) / (frozen before drift - frozen after), None when
-    the drift lowered nothing."""
+    candidate the trainer wrote, the first promotion of a head that then served the drifted domain better than
+    the frozen head did on the same requests (`helped`; time_to_promotion_s) and the first promotion of any
+    head (time_to_any_promotion_s), in seconds, None when none came. recovered_fraction:
+    the adapted stack's gain over the frozen head on the drifted domain after adaptation (the same requests),
+    divided by the gap between the frozen head on the first domain before the drift and on the drifted domain
+    after it: (adapted - frozen) / (frozen before drift - frozen after), None when the drift lowered nothing.
+    Both terms of that gap are the frozen head on different domains, which differ in difficulty as well as in
+    how well the head knows them: it is the share of the cross-domain gap won back, not of a drop the drift
+    alone caused."""
     if len(phases) < 2:
         return {"drift_onset_s": None, "time_to_first_candidate_s": None, "time_to_promotion_s": None,
-                "recovered_fraction": None}
+                "time_to_any_promotion_s": None, "recovered_fraction": None}
     onset = phases[1].start_s
     cands = sorted(t - t0 for t in candidate_times if t - t0 >= onset)
-    promos = sorted(s for e in events if e.event == "promoted" and (s := event_seconds(e, t0)) >= onset)
+    after_onset = sorted((s, e.candidate) for e in events
+                         if e.event == "promoted" and (s := event_seconds(e, t0)) >= onset)
+    promos = [s for s, version in after_onset if version is not None and helped(version)]
     before = next((r for r in rows if r.window == "before drift"), None)
     after = next((r for r in rows if r.window == "after adaptation"), None)
     recovered = None
@@ -117,6 +137,7 @@ def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[
     return {"drift_onset_s": round(onset, 1),
             "time_to_first_candidate_s": round(cands[0] - onset, 1) if cands else None,
             "time_to_promotion_s": round(promos[0] - onset, 1) if promos else None,
+            "time_to_any_promotion_s": round(after_onset[0][0] - onset, 1) if after_onset else None,
             "recovered_fraction": recovered}
 
 

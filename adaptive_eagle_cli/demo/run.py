@@ -27,7 +27,7 @@ from adaptive_eagle_cli.demo.view import LiveStats, LiveView, LogTail
 class DemoOutcome:
     summary: dict
     out: Path
-    exit_code: int  # 0: no failed request and every sampled response equal to plain greedy decoding
+    exit_code: int  # 0: no failed request, every sampled response equal to plain greedy decoding, replay exact
 
 
 def prompt_pools(cfg: DemoConfig, per_domain: int) -> dict:
@@ -203,7 +203,9 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
              "trainer_events": run.trainer_events[-40:], "control_errors": run.control_errors,
              "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1)}
     s = report.summary(rows, run.results, tail.events, checks, run.control,
-                       {**report.time_to_adapt(run.phases, run.t0, run.candidate_times, tail.events, rows), **extra})
+                       {**report.time_to_adapt(
+                           run.phases, run.t0, run.candidate_times, tail.events, rows,
+                           lambda v: report.helped_drifted_domain(run.results, replays, run.phases, v)), **extra})
     info = {"when": time.strftime("%Y-%m-%d %H:%M"), "duration_s": extra["duration_s"],
             "target": stack_cfg.serving.target, "frozen_head": run.frozen, "scenario": [p.domain for p in run.phases],
             "clients": cfg.clients, "max_tokens": cfg.max_tokens,
@@ -214,7 +216,10 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
                  {"results": run.results, "counts": replays, "phases": run.phases, "events": tail.events,
                   "t0": run.t0, "title": f"accept length per domain: adapted stack vs frozen {run.frozen}",
                   "note": report.adapt_line(s)})
-    bad = s["failed_requests"] > 0 or s["greedy_checks"]["mismatches"] > 0 or not run.results
+    # replay exactness: the frozen column and the gate's test-then-train evidence are replays; on the requests the
+    # frozen head served itself a replay must give the accept lengths serving gave, else neither can be trusted
+    bad = (s["failed_requests"] > 0 or s["greedy_checks"]["mismatches"] > 0 or not run.results
+           or s["replay_check"]["requests_differing"] > 0)
     return DemoOutcome(s, out, 1 if bad else 0)
 
 
