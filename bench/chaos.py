@@ -37,6 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 CERT_SCRIPT = REPO / "ops" / "scripts" / "redis-tls-cert.sh"
 START_TIMEOUT_S = 60.0  # a start on a loaded 2-core machine is slow; only a hang fails it
 STOP_TIMEOUT_S = 30.0
+# appendfsync everysec: Redis write()s a command to its append-only file before replying, except while a background
+# fsync is slow, when it postpones the write for up to 2 s (redis.conf and aof.c); so a SIGKILL can lose at most the
+# writes acknowledged in the last EVERYSEC_LOSS_S seconds
+EVERYSEC_LOSS_S = 2.0
 PROMETHEUS_HINT = "`make prometheus` (or `apt-get install -y prometheus`) installs it (Debian's 2.42, with promtool)"
 RefusalKind = Literal["oom", "readonly"]
 
@@ -87,12 +91,20 @@ def _need_binary(name: str, how_to_install: str) -> str:
 
 class RedisTLS:
     """A redis-server on 127.0.0.1 with only a TLS port, a private CA (ops/scripts/redis-tls-cert.sh), AUTH,
-    and an append-only file fsynced on every write, so an acknowledged write survives `restart`.
+    and an append-only file. `appendfsync` is Redis's: "always" fsyncs before every reply; "everysec" (Redis's
+    default, and what ops/scripts/node.sh runs in production: `--appendonly yes`) write()s each command to
+    the file before replying and fsyncs once a second, so a killed process loses nothing the kernel holds but a
+    write Redis postponed behind a slow fsync (up to EVERYSEC_LOSS_S; a machine crash loses up to that too).
+    A clean `restart` (SIGTERM) fsyncs on exit either way.
 
     State changed with CONFIG SET / REPLICAOF (`refuse_writes`) lives in memory only: a restart starts
     accepting writes again, as a real restarted server does."""
 
-    def __init__(self, workdir: Optional[Path] = None, password: Optional[str] = None) -> None:
+    def __init__(self, workdir: Optional[Path] = None, password: Optional[str] = None,
+                 appendfsync: Literal["always", "everysec"] = "always") -> None:
+        if appendfsync not in ("always", "everysec"):
+            raise ChaosError(f"appendfsync must be 'always' or 'everysec', got {appendfsync!r}")
+        self.appendfsync = appendfsync
         self._own_dir = workdir is None
         self.dir = Path(workdir) if workdir is not None else _fresh_dir("chaos-redis-")  # made by start()
         self.password = password or secrets.token_urlsafe(24)
@@ -156,13 +168,17 @@ class RedisTLS:
             shutil.rmtree(self.dir, ignore_errors=True)
             self._certs = None
 
-    def restart(self, down_s: float) -> None:
-        """SIGTERM, wait for the exit, stay down `down_s` seconds, start again on the same port and dir;
-        returns when it answers PING (with every write it acknowledged before the SIGTERM)."""
+    def restart(self, down_s: float, kill: bool = False) -> None:
+        """SIGTERM (or, `kill`, SIGKILL: no shutdown, no last fsync), wait for the exit, stay down `down_s` seconds,
+        start again on the same port and dir; returns when it answers PING, with what its append-only file kept
+        (after a SIGTERM every acknowledged write; after a SIGKILL what `appendfsync` promises)."""
         if self.port is None:
             raise ChaosError("RedisTLS.restart before start(): nothing to restart")
         self._release_dead_master()
         self._close_admin()
+        if kill and self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(STOP_TIMEOUT_S)
         _end_process(self._proc)
         self._proc = None
         self._refusing = None
@@ -274,7 +290,7 @@ class RedisTLS:
             [binary, "--bind", "127.0.0.1", "--port", "0", "--tls-port", str(port),
              "--tls-cert-file", str(certs / "redis.crt"), "--tls-key-file", str(certs / "redis.key"),
              "--tls-ca-cert-file", str(certs / "ca.crt"), "--tls-auth-clients", "no",
-             "--requirepass", self.password, "--appendonly", "yes", "--appendfsync", "always",
+             "--requirepass", self.password, "--appendonly", "yes", "--appendfsync", self.appendfsync,
              "--dir", str(data), "--save", "", "--daemonize", "no", "--logfile", str(log)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         self._wait_for_ping(log)

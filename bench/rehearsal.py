@@ -1,8 +1,8 @@
 """Production rehearsal: the stack of ops/prod.yaml on this machine, under drifting traffic and a fault schedule.
 
 What runs (all real processes): a redis-server with only a TLS port on loopback (a private CA, the server's host
-name checked, AUTH, an fsynced append-only file: bench/chaos.py), Ray started here with the stack's replica and
-trainer actors, reference replicas in place of SGLang with SGLang's tree from ops/prod.yaml (depth 5, top-k 4, 16
+name checked, AUTH, production's append-only file with appendfsync everysec: bench/chaos.py), Ray started here
+with the stack's replica and trainer actors, reference replicas in place of SGLang with SGLang's tree from ops/prod.yaml (depth 5, top-k 4, 16
 draft tokens), the gateway with its API key and admin token, the near-line trainer, the policy, and a Prometheus
 server scraping the gateway every second with ops/alerts.yml. Traffic: concurrent official `openai` clients send
 ShareGPT English prompts, then drift to code.
@@ -15,6 +15,10 @@ Alert `for:` durations are scaled by the same factor (a 30 s fault would never o
 
 Fault schedule, while the traffic runs (times are shares of the traffic time, printed):
     redis_restart        redis-server SIGTERMed, down a few seconds, started again on its files
+    redis_sigkill        redis-server SIGKILLed mid-write (no shutdown, no last fsync) under the persistence
+                         production runs (ops/scripts/node.sh: appendonly, appendfsync everysec), down 10 s,
+                         started again on its files: acknowledged entries may be lost only within what everysec
+                         promises (the last 2 s before the kill), and every loss is counted
     redis_refuses_writes OOM (maxmemory below use, noeviction), then READONLY (a replica of a dead master),
                          `--refuse-s` in all; then writes are accepted again
     trainer_step_fault   the trainer's next step raises (TrainerActor.inject_fault); its process ends, Ray restarts it
@@ -59,7 +63,7 @@ from adaptive_eagle.compute import machine_key  # noqa: E402
 from adaptive_eagle.evidence import EvidenceError, ReplayEvidence  # noqa: E402
 from loop.metrics import trainer_state_class  # noqa: E402
 
-from bench.chaos import Prometheus, RedisTLS  # noqa: E402
+from bench.chaos import EVERYSEC_LOSS_S, Prometheus, RedisTLS  # noqa: E402
 
 SCALED_POLICY = ("min_samples", "min_domain_samples", "canary_min_requests", "canary_health_requests",
                  "canary_max_requests", "offline_max_samples", "rollback_window", "collapse_min_requests")
@@ -71,7 +75,8 @@ TREE = {"depth": 5, "topk": 4, "num_draft_tokens": 16}  # filled from prod.yaml'
 # the serving tree without model-free drafting or cost-aware pruning: acceptance replay of a captured greedy
 # request is then exact, as it is for SGLang's EAGLE-3 tree
 ENGINE_EXTRAS = {"cost_aware": False, "prompt_lookup": False, "suffix_drafting": False, "calibration_dir": ""}
-EXPECTED_ALERT = {"redis_restart": "CaptureStoreDown", "redis_refuses_writes": "CaptureStoreRefusing",
+EXPECTED_ALERT = {"redis_restart": "CaptureStoreDown", "redis_sigkill": "CaptureStoreDown",
+                  "redis_refuses_writes": "CaptureStoreRefusing",
                   "trainer_step_fault": "TrainerRestarted", "trainer_sigkill": "TrainerRestarted",
                   "replica_kill": "ReplicaRestarted"}
 DRIFT = ("english", "code")
@@ -309,6 +314,7 @@ class FaultRun:
     started: Optional[float] = None  # unix seconds
     cleared: Optional[float] = None  # the fault's end (writes accepted, Redis answering, process killed)
     lost: int = 0  # acknowledged stream entries missing afterwards
+    lost_beyond_promise: int = 0  # of them, entries the store's persistence promised to keep
     detail: str = ""
     pid: Optional[int] = None
 
@@ -333,6 +339,24 @@ class Faults:
         f.cleared = time.time()
         f.lost = len(before - self._ids())
         f.detail = f"down 10 s, answering again; {f.lost} of {len(before)} acknowledged entries missing"
+
+    def redis_sigkill(self, f: FaultRun) -> None:
+        """SIGKILL while the capture writes: entries read back just before the kill were acknowledged; those
+        missing after the restart are counted, and any older than EVERYSEC_LOSS_S before the kill is a loss the
+        persistence did not promise (with appendfsync always, any loss is)."""
+        before = self._ids()
+        killed_ms = int(time.time() * 1000)
+        self.tl.add("fault", f"redis_sigkill: SIGKILL to redis-server ({len(before)} entries in {self.key}, "
+                             f"appendfsync {self.redis.appendfsync})")
+        self.redis.restart(down_s=10.0, kill=True)
+        f.cleared = time.time()
+        missing = before - self._ids()
+        window_ms = 1000 * EVERYSEC_LOSS_S if self.redis.appendfsync == "everysec" else 0
+        f.lost = len(missing)
+        f.lost_beyond_promise = sum(killed_ms - int(i.split("-")[0]) > window_ms for i in missing)
+        f.detail = (f"down 10 s, answering again; {f.lost} of {len(before)} acknowledged entries missing, "
+                    f"{f.lost_beyond_promise} of them older than the {window_ms / 1000:g} s appendfsync "
+                    f"{self.redis.appendfsync} may lose")
 
     def redis_refuses_writes(self, f: FaultRun) -> None:
         before = self._ids()
@@ -416,7 +440,8 @@ def rehearse(a, traffic_s: float) -> int:
     t_begin = time.time()
     print(f"rehearsal on {machine_key('cpu').removeprefix('cpu:')}; "
           f"{traffic_s / 60:g} minutes of traffic; work dir {work}", flush=True)
-    with RedisTLS(work / "redis") as redis:
+    # production's persistence (ops/scripts/node.sh: appendonly yes, Redis's default appendfsync everysec)
+    with RedisTLS(work / "redis", appendfsync="everysec") as redis:
         secrets_env["AE_REDIS_PASSWORD"] = redis.password
         data, replaced, scaled = rehearsal_config(Path(a.prod), a.scale, work / "state", redis, secrets_env)
         print(f"config: {a.prod} with host-specific settings replaced:", flush=True)
@@ -451,8 +476,8 @@ def rehearse(a, traffic_s: float) -> int:
             first = traffic_s * 0.3
             phases = (Phase(DRIFT[0], 0.0, first), Phase(DRIFT[1], first, traffic_s))
             plan = [FaultRun(n, traffic_s * share) for n, share in
-                    (("redis_restart", 0.12), ("redis_refuses_writes", 0.22), ("trainer_step_fault", 0.40),
-                     ("trainer_sigkill", 0.55), ("replica_kill", 0.70))]
+                    (("redis_restart", 0.12), ("redis_refuses_writes", 0.22), ("redis_sigkill", 0.32),
+                     ("trainer_step_fault", 0.40), ("trainer_sigkill", 0.55), ("replica_kill", 0.70))]
             print(f"traffic: {DRIFT[0]} {first:.0f} s -> {DRIFT[1]} {traffic_s - first:.0f} s, {a.clients} openai "
                   f"clients, greedy, {a.max_tokens} tokens a request (start-up took {startup_s:.0f} s)", flush=True)
             print("faults: " + ", ".join(f"{f.name} at {f.at_s:.0f} s" for f in plan), flush=True)
@@ -547,7 +572,9 @@ def summarize(a, cfg, tl: Timeline, w: Watcher, faults: Faults, plan: list, resu
         "killed_replica_in_flight_errors": len(in_flight),
         "candidates_written": len(cands), "promotions": len(promos), "stale_gate_decisions": stale["stale"],
         "stale_evidence_refused": stale["refused"],
-        "acked_records_lost": sum(f.lost for f in plan), "capture_written": int(w.written),
+        "acked_records_lost": sum(f.lost for f in plan),
+        "acked_records_lost_beyond_promise": sum(f.lost_beyond_promise for f in plan),
+        "capture_written": int(w.written),
         "capture_dropped": int(w.dropped),
         "capture_resumed_s": None if not resumed or None in resumed else round(max(resumed), 1),
         "trainer_recovered_s": None if not recovered or None in recovered else round(max(recovered), 1),
@@ -559,7 +586,10 @@ def summarize(a, cfg, tl: Timeline, w: Watcher, faults: Faults, plan: list, resu
     }
     checks = {"failed_requests == 0": figures["failed_requests"] == 0, "hung_requests == 0": hung == 0,
               "candidates_written >= 1": len(cands) >= 1, "stale_gate_decisions == 0": stale["stale"] == 0,
-              "acked_records_lost == 0": figures["acked_records_lost"] == 0,
+              # a SIGTERM restart and refused writes may lose nothing; a SIGKILL only what the persistence allows
+              "acked_records_lost (SIGTERM, refusals) == 0":
+                  sum(f.lost for f in plan if f.name != "redis_sigkill") == 0,
+              "acked_records_lost_beyond_promise == 0": figures["acked_records_lost_beyond_promise"] == 0,
               "capture_resumed_s <= 30": (figures["capture_resumed_s"] or 1e9) <= 30,
               "trainer_recovered_s <= 120": (figures["trainer_recovered_s"] or 1e9) <= 120,
               "every fault alerted": all(r["alerted"] for r in fault_rows)}
