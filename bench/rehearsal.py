@@ -3,9 +3,9 @@
 What runs (all real processes): a redis-server with only a TLS port on loopback (a private CA, the server's host
 name checked, AUTH, production's append-only file with appendfsync everysec: bench/chaos.py), Ray started here
 with the stack's replica and trainer actors, reference replicas in place of SGLang with SGLang's tree from
-ops/prod.yaml (depth 5, top-k 4, 16 draft tokens), the gateway with its API key and admin token, the near-line trainer, the policy, and a Prometheus
-server scraping the gateway every second with ops/alerts.yml. Traffic: concurrent official `openai` clients send
-ShareGPT English prompts, then drift to code.
+ops/prod.yaml (depth 5, top-k 4, 16 draft tokens), the gateway with its API key and admin token, the near-line
+trainer, the policy, and a Prometheus server scraping the gateway every second with ops/alerts.yml. Traffic:
+concurrent official `openai` clients send ShareGPT English prompts, then drift to code.
 
 The config is ops/prod.yaml with only host-specific settings replaced (paths, ports, the target's location, Ray
 resources, GPUs, the SGLang backend) and every count the loop waits for scaled by one declared factor, `--scale`
