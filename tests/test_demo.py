@@ -55,6 +55,10 @@ def test_the_stack_config_turns_the_loop_within_minutes(tmp_path):
     full = demo_stack_config(DemoConfig.make(), str(tmp_path))
     assert full.nearline_config().evidence == "prequential"  # test-then-train by default
     assert full.nearline_config().candidate_evidence_records >= full.policy.gates().min_samples
+    # a snapshot every sixth of the run: a longer demo gives each snapshot a longer window of evidence
+    hour = demo_stack_config(DemoConfig.make(minutes=60), str(tmp_path)).nearline_config()
+    assert full.nearline_config().candidate_every_minutes == 2.5 and hour.candidate_every_minutes == 10.0
+    assert hour.candidate_every_tokens == 4 * full.nearline_config().candidate_every_tokens
     held = demo_stack_config(DemoConfig.make(evidence="heldout"), str(tmp_path))
     assert held.nearline_config().min_candidate_heldout == held.policy.gates().min_samples  # no wasted candidates
     assert cfg.nearline_config().min_candidate_heldout == 1  # --quick: a candidate reaches the gates regardless

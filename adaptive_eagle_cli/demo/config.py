@@ -164,11 +164,15 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
     trainer = {
         "num_cpus": 0, "device": "cpu", "poll_ms": 200, "checkpoint_every_s": 20,
         "champion_check_s": 3, "batch_tokens": 1024 if quick else 4096, "min_fresh_tokens": 256 if quick else 1024,
-        # test-then-train: a snapshot costs no replay when written and gathers evidence from then on, so one
-        # every minute (two gather at once); a held-out candidate is replayed when written (every 2.5)
+        # test-then-train: a snapshot costs no replay when written and gathers evidence from then on, until the
+        # second snapshot after it closes it (two gather at once). The sequential gate's valid test needs hundreds
+        # of paired records to see a gain of a few percent (docs/results/gate-sim-2026-12-04), so a snapshot
+        # every sixth of the run (at least every minute): a longer demo gives each snapshot a longer window of
+        # evidence (about a third of the run). A held-out candidate is replayed when written (every 2.5 minutes)
         "evidence": cfg.evidence, "heldout_percent": 50 if quick else 25, "heldout_per_domain": 48,
-        "candidate_every_tokens": 1024 if quick else 60_000,
-        "candidate_every_minutes": 0.3 if quick else 1.0 if cfg.evidence == "prequential" else 2.5,
+        "candidate_every_tokens": 1024 if quick else int(60_000 * max(1.0, cfg.minutes / 15)),
+        "candidate_every_minutes": 0.3 if quick else max(1.0, cfg.minutes / 6) if cfg.evidence == "prequential"
+        else 2.5,
         "min_candidate_tokens": 512 if quick else 8192,
         # every record trains at full length (chunked TTT keeps memory linear): a trainer capped below the
         # served contexts makes long positions worse (docs/results/long-sessions-2026-12-02)
