@@ -17,7 +17,9 @@ from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError, demo_sta
 from adaptive_eagle_cli.demo.control import ControlSample, StepCounts
 from adaptive_eagle_cli.demo.report import (adapt_line, helped_drifted_domain, latency_line, summary, table,
                                           time_to_adapt)
-from adaptive_eagle_cli.demo.traffic import SESSIONS, Prompt, RequestResult, SessionTurns, jsonl_pools, session_pool
+from adaptive_eagle_cli.demo.run import pool_size
+from adaptive_eagle_cli.demo.traffic import (SESSIONS, Prompt, PromptCycle, RequestResult, SessionTurns, jsonl_pools,
+                                            session_pool)
 from policies.log import PromotionEvent
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,6 +98,19 @@ def test_a_session_is_sent_turn_by_turn_with_the_models_own_answers():
     failed = RequestResult(index=0, client=0, domain=SESSIONS, phase=0, started_s=0.0, finished_s=1.0,
                            prompt=sent[0], ok=False, error="boom")
     assert SessionTurns.start(pool[0]).after(sent[0], failed) is None  # the session ends; the client starts anew
+
+
+def test_prompts_are_not_reused_within_a_run_and_a_reuse_is_counted():
+    """A prompt sent twice could be scored by test-then-train evidence after the trainer learnt its answer: the
+    pools hold more than a run can send (every client one request a second), and any reuse is counted."""
+    for minutes, clients in ((15, 2), (60, 2), (60, 8)):
+        cfg = DemoConfig.make(minutes=minutes, clients=clients)
+        assert pool_size(cfg) >= minutes * 60 * clients / (1 + cfg.think_s)
+    cycle = PromptCycle({"code": [Prompt((), "code"), Prompt((), "code")]})
+    [cycle.take("code") for _ in range(2)]
+    assert cycle.reused == 0
+    cycle.take("code")
+    assert cycle.reused == 1
 
 
 def test_user_prompts_keep_their_domains_and_bad_lines_are_named(tmp_path):

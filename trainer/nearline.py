@@ -300,20 +300,25 @@ class NearlineTrainer:
         if self._step_fault is not None:
             message, self._step_fault = self._step_fault, None
             raise InjectedFault(message)
+        if not rows:  # every record of the batch cut before its first trained token: consumed, nothing learned,
+            self.intake.consumed(fresh, cut, trained_at=time.time())  # no step and no replay row counted
+            self.last_batch = {"fresh": len(fresh), "replay": 0, "tokens": 0, "regenerated": 0}
+            return None
         self.state = "training"
         if self.moe is not None and (grown := self.moe.grow(self.head, self.target)) is not None:
             self.learner.set_head(grown.head.float().train())  # a new optimizer over the grown head's parameters
             self._note(grown.describe())
-        # every record of the batch cut before its first trained token: consumed, nothing learned
         stats, tokens, regenerated = self.learner.update(rows, self.counters["steps"], self.target, self.target_spec,
                                                          self.moe)
         self.counters["steps"] += 1
         self.last_step_at = time.time()
         self.counters["tokens_trained"] += tokens
-        self.counters["rows_replayed"] = self.counters.get("rows_replayed", 0) + len(replayed)  # absent: older checkpoint
+        trained_replay = sum(1 for r in replayed if r.request_id not in cut)  # a cut replay row trained nothing
+        # .get: a counter an older checkpoint lacks
+        self.counters["rows_replayed"] = self.counters.get("rows_replayed", 0) + trained_replay
         self.counters["regenerated_rows"] += regenerated
         self.loss = stats.loss
-        self.last_batch = {"fresh": len(fresh), "replay": len(replayed), "tokens": tokens, "regenerated": regenerated}
+        self.last_batch = {"fresh": len(fresh), "replay": trained_replay, "tokens": tokens, "regenerated": regenerated}
         times = self.intake.consumed(fresh, cut, trained_at=time.time())
         self.candidates.trained([r for _, r in fresh], times)
         return stats

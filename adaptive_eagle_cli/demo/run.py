@@ -36,6 +36,13 @@ def prompt_pools(cfg: DemoConfig, per_domain: int) -> dict:
     return sharegpt_pools(cfg.scenario, per_domain, cfg.max_prompt_chars, cfg.seed)
 
 
+def pool_size(cfg: DemoConfig) -> int:
+    """Prompts per domain: more than a domain's phase can send, so that no prompt is sent twice (a reused prompt
+    could be scored by test-then-train evidence after the trainer learnt its answer). A 2-core machine serves
+    about 15 requests a minute; the bound assumes every client sends one a second for the whole run."""
+    return max(400, int(cfg.minutes * 60 * cfg.clients / (1.0 + cfg.think_s)))
+
+
 def scenario_of(cfg: DemoConfig, pools: dict) -> tuple[str, ...]:
     """The phases' domains: the scenario's, or with --prompts the file's domains (scenario order first)."""
     if cfg.prompts is None:
@@ -57,7 +64,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, tty: Optional
     out.mkdir(parents=True, exist_ok=True)
     state = Path(cfg.state_dir).expanduser() if cfg.state_dir else Path(tempfile.mkdtemp(prefix="adaptive-eagle-demo-"))
     echo("loading prompts ...")
-    pools = prompt_pools(cfg, 40 if cfg.quick else 400)
+    pools = prompt_pools(cfg, 40 if cfg.quick else pool_size(cfg))
     scenario = scenario_of(cfg, pools)
     stack_cfg = demo_stack_config(cfg, str(state))
     stack = LocalStack(stack_cfg, echo=echo)
@@ -100,6 +107,7 @@ class _Run:
     log_path: Path
     store: object
     candidate_times: list  # unix seconds at which the trainer wrote each candidate (the registry's `created`)
+    prompts_reused: int = 0  # prompts sent a second time (a pool ran out): PromptCycle.reused
 
 
 def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _Run:
@@ -141,7 +149,7 @@ def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _
     events = _trainer_events(stack)
     return _Run(stats.snapshot(), phases, list(decoder.samples), list(decoder.errors), traffic.t0, frozen, target,
                 frozen_head, control.decode_server(target, None, ENGINE), status, events, Path(info.promotion_log),
-                stack.config.store_config, candidate_times(stack.registry))
+                stack.config.store_config, candidate_times(stack.registry), traffic.prompts.reused)
 
 
 
@@ -198,7 +206,10 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
     tail = LogTail(run.log_path)
     tail.poll()
     rows = report.table(run.results, run.phases, replays, run.control)
-    extra = {"frozen_head": run.frozen, "replayed_requests": len(replays),
+    if run.prompts_reused:
+        echo(f"note: {run.prompts_reused} prompts were sent a second time (a domain's pool ran out); test-then-train "
+             "evidence may have scored them after training on their first answer")
+    extra = {"frozen_head": run.frozen, "replayed_requests": len(replays), "prompts_reused": run.prompts_reused,
              "replay_check": report.replay_check(run.results, replays, run.frozen), "trainer": run.trainer_status,
              "trainer_events": run.trainer_events[-40:], "control_errors": run.control_errors,
              "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1)}
@@ -223,4 +234,4 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
     return DemoOutcome(s, out, 1 if bad else 0)
 
 
-__all__ = ["DemoOutcome", "prompt_pools", "run_demo", "scenario_of"]
+__all__ = ["DemoOutcome", "pool_size", "prompt_pools", "run_demo", "scenario_of"]

@@ -152,19 +152,23 @@ def _prompt_of(raw) -> Optional[Prompt]:
 
 
 class PromptCycle:
-    """Prompts of each domain in pool order, starting over when a pool runs out (thread-safe)."""
+    """Prompts of each domain in pool order, starting over when a pool runs out (thread-safe). A prompt sent a
+    second time may be scored by test-then-train evidence after the trainer learnt from its first answer, so
+    every reuse is counted (`reused`, reported by the demo); size the pools to the run to keep it 0."""
 
     def __init__(self, pools: dict[str, list[Prompt]]) -> None:
         self.pools = pools
         self.next = {d: 0 for d in pools}
+        self.reused = 0
         self.lock = threading.Lock()
 
     def take(self, domain: str) -> Prompt:
         with self.lock:
             pool = self.pools[domain]
-            prompt = pool[self.next[domain] % len(pool)]
-            self.next[domain] += 1
-            return prompt
+            i = self.next[domain]
+            self.reused += i >= len(pool)
+            self.next[domain] = i + 1
+            return pool[i % len(pool)]
 
 
 @dataclass(frozen=True)

@@ -378,11 +378,7 @@ def test_when_both_restarts_fail_the_replica_refuses_requests_until_a_swap_succe
     assert server.swap_head("v3").ok and server.generate(REQ).spec.head_version == "v3"
 
 
-def test_sglang_own_argument_parser_accepts_our_launch_args():
-    pytest.importorskip("sglang", reason="sglang is the optional extra adaptive-eagle[sglang]; not installed here")
-    from sglang.srt.server_args import prepare_server_args
-
-    args = prepare_server_args(CFG.launch_args()[3:])
-    assert args.speculative_algorithm == "EAGLE3" and args.speculative_draft_model_path == "/heads/v1"
-    assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (4, 3, 12)
-    assert args.enable_metrics and args.weight_version == "v1" and args.incremental_streaming_output
+# SGLang's own parser on our launch arguments: never importable here (SGLang needs a GPU), so the arguments are
+# checked against the 0.5.23 wheel's source (tests/serving/test_sglang_contract.py
+# test_every_launch_flag_is_a_server_argument_with_the_right_arity, which runs in every `make test`), and SGLang
+# itself starts on them in ops/gpu_check.sh on a GPU machine.

@@ -219,6 +219,26 @@ def test_records_cut_before_their_first_generated_token_are_counted_and_not_trai
     assert any(not torch.equal(a, b) for a, b in zip(before, tr.head.parameters()))  # the short ones trained
 
 
+def test_a_batch_with_nothing_to_train_on_counts_no_step_and_no_replay_row(tmp_path, world):
+    """Only prompts longer than max_len: every batch is consumed, nothing is learned, and neither a step nor a
+    replay row is counted (the status would otherwise show training that never happened)."""
+    target, head, _ = world
+    engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False, calibration_dir=""), head_version="v1")
+    engine.eos_ids = set()
+    long = [engine.generate([(i + k) % 30 + 1 for k in range(20)], SamplingParams(max_tokens=8), capture=True,
+                            request_id=f"long-{i}").trace for i in range(4)]
+    cfg, target = setup_run(tmp_path, (target, head, long), max_len=16, heldout_percent=1)
+    tr = NearlineTrainer(cfg, target=target)
+    tr.start()
+    tr.poll()
+    before = [p.detach().clone() for p in tr.head.parameters()]
+    while tr.fresh:
+        assert tr.train_once(force=True) is None
+    assert tr.counters["steps"] == 0 and tr.counters["rows_replayed"] == 0 and tr.counters["tokens_trained"] == 0
+    assert tr.counters["skipped"]["no_trained_position_within_max_len"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.head.parameters()))
+
+
 def test_new_positions_skip_a_record_whose_every_position_an_earlier_one_carried(tmp_path, world):
     target, head, records = world
     engine = SpeculativeEngine(target, head, EngineConfig(cost_aware=False, calibration_dir=""), head_version="v1")

@@ -236,9 +236,12 @@ def test_a_time_budget_stops_the_loop_and_its_cosine_spans_the_seconds(setup, tm
     target, train, heldout, vocab = setup
     cfg = recipe(token_budget=10**9, time_budget_min=0.01)  # 0.6 s
     budget = Budget.of(cfg, decay_over="seconds")
+    seen: list[float] = []  # the training time at each step's checkpoint
     state, _ = train_loop(cfg, tmp_path, target, new_head(target, vocab, seed=0), train, heldout, progress=False,
-                          log=lambda s: None, budget=budget)
-    assert state.step >= 1 and 0.6 <= state.elapsed_s < 30
+                          log=lambda s: None, budget=budget, cadence=Cadence(eval_seconds=1e9, checkpoint_seconds=0.0),
+                          on_checkpoint=lambda st: seen.append(st.elapsed_s))
+    # the loop stopped at the first step that reached the budget: every step before it was still under it
+    assert state.step >= 1 and state.elapsed_s >= 0.6 and all(t < 0.6 for t in seen[:-1])
     now = [0.0]
     schedule = loop_schedule(cfg, budget, train, lambda: now[0])
     assert schedule(0) == cfg.lr / cfg.warmup_steps
