@@ -359,9 +359,7 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
     if n == 0:
         return Decision(REJECT if final else CONTINUE, "no paired records" + (
             ": the evidence closed empty." if final else " yet."), ev)
-    # accept length is at least 1 (plain decoding's); the tail-mean test's bets rely on that floor, so a value
-    # under it (a malformed row) is read as 1 rather than let the policy's tick raise
-    test = tail_evidence(np.maximum(a, 1.0), np.maximum(b, 1.0), q, alpha, config.tail_statistic)
+    test = tail_evidence(a, b, q, alpha, config.tail_statistic)
     tail_a, tail_b = _tail(a, q, config.tail_statistic), _tail(b, q, config.tail_statistic)
     mean_a, mean_b = float(a.mean()), float(b.mean())
     domains = _domain_rows(a_s, b_s, lambda s: s.accept_length, 1.0, q, config)
