@@ -41,6 +41,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from policies.gates import tail_of  # noqa: E402
 from policies.sequential import tail_evidence_path, tail_log_bar  # noqa: E402
 
 NOISE = 0.05
@@ -96,17 +97,10 @@ def paired(rng: np.random.Generator, n: int, head: Callable[[np.ndarray], np.nda
             np.maximum(1.0, head(g) * (1 + rng.normal(0, NOISE, n))))
 
 
-def tail_stat(x: np.ndarray, q: float, statistic: str) -> float:
-    if statistic == "quantile":
-        return float(np.quantile(x, q, method="inverted_cdf"))
-    k = max(1, int(np.ceil(q * len(x))))
-    return float(np.sort(x)[:k].mean())
-
-
 def truth(setting: Setting, head: str) -> dict[str, float]:
     rng = np.random.default_rng(99)
     a, b = paired(rng, 400_000, head_transforms(setting.q)[head])
-    ta, tb = tail_stat(a, setting.q, setting.statistic), tail_stat(b, setting.q, setting.statistic)
+    ta, tb = tail_of(a, setting.q, setting.statistic), tail_of(b, setting.q, setting.statistic)
     return {"tail_change_pct": 100 * (tb / ta - 1), "mean_change_pct": 100 * (b.mean() / a.mean() - 1)}
 
 

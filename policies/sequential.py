@@ -72,6 +72,19 @@ def quantile_bound_path(x: Sequence[float], q: float, alpha: float, side: Side =
     return out
 
 
+def bernoulli_below_log_martingale(below: int, n: int, q: float) -> float:
+    """log M of the test martingale against "P(X_i = 1 | past) >= q" after `below` ones in n indicators: the
+    uniform mixture over the alternative r in (0, q) of the likelihood ratios (r/q)^below ((1-r)/(1-q))^(n-below)
+    (`rejecting_count` inverts it for one fixed threshold)."""
+    if not 0 <= below <= n:
+        raise ValueError(f"below must be in [0, n], got {below} of {n}")
+    a, b = below + 1.0, n - below + 1.0
+    mass = betainc(a, b, q)
+    if mass <= 0:
+        return float("-inf")
+    return float(betaln(a, b) + np.log(mass) - np.log(q) - below * np.log(q) - (n - below) * np.log1p(-q))
+
+
 @lru_cache(maxsize=None)
 def rejecting_count(t: int, q: float, alpha: float) -> int:
     """The largest count s (of t samples at or below a value x) at which the test martingale for
@@ -79,11 +92,7 @@ def rejecting_count(t: int, q: float, alpha: float) -> int:
     alternative r in (0, q): M(s) = integral_0^q (r/q)^s ((1-r)/(1-q))^(t-s) dr / q, which falls as s grows
     (and stays under 1 at s = t), so the counts that reject are 0..k."""
     def log_m(s: int) -> float:
-        a, b = s + 1.0, t - s + 1.0
-        mass = betainc(a, b, q)
-        if mass <= 0:
-            return float("-inf")
-        return float(betaln(a, b) + np.log(mass) - np.log(q) - s * np.log(q) - (t - s) * np.log1p(-q))
+        return bernoulli_below_log_martingale(s, t, q)
 
     threshold = np.log(1 / alpha)
     if log_m(0) < threshold:
@@ -115,19 +124,6 @@ def tail_thresholds(champion: Sequence[float], q: float) -> np.ndarray:
             out[i] = seen[min(len(seen) - 1, max(0, int(np.ceil(q * len(seen))) - 1))]
         bisect.insort(seen, float(value))
     return out
-
-
-def bernoulli_below_log_martingale(below: int, n: int, q: float) -> float:
-    """log M of the test martingale against "P(X_i = 1 | past) >= q" after `below` ones in n indicators: the
-    uniform mixture over the alternative r in (0, q) of the likelihood ratios (r/q)^below ((1-r)/(1-q))^(n-below)
-    (`rejecting_count` inverts the same martingale for one fixed threshold)."""
-    if not 0 <= below <= n:
-        raise ValueError(f"below must be in [0, n], got {below} of {n}")
-    a, b = below + 1.0, n - below + 1.0
-    mass = betainc(a, b, q)
-    if mass <= 0:
-        return float("-inf")
-    return float(betaln(a, b) + np.log(mass) - np.log(q) - below * np.log(q) - (n - below) * np.log1p(-q))
 
 
 # ---- the tail difference itself: the offline gate's test ----------------------------------------------------
@@ -184,6 +180,11 @@ def _gap_bounds(t: np.ndarray, q: float, lows: list[tuple[float, float]], ups: l
     return np.maximum(below, above)
 
 
+def _gap_bounds_at(t: np.ndarray, q: float, lows: Band, ups: Band, k: int) -> np.ndarray:
+    """`_gap_bounds` with the band as it stood after sample k (index k of each running bound)."""
+    return _gap_bounds(t, q, [(p, L[k]) for p, L in lows], [(p, U[k]) for p, U in ups])
+
+
 def tail_mean_log_evalue_path(champion: Sequence[float], candidate: Sequence[float], q: float, alpha: float,
                               *, floor: float = 1.0, looks: Sequence[int] | None = None) -> np.ndarray:
     """log e-value against "the candidate's lower-tail mean (mean of its lowest q share) is at most the
@@ -222,8 +223,7 @@ def tail_mean_log_evalue_path(champion: Sequence[float], candidate: Sequence[flo
     lam, prev_gap = np.zeros(n), np.full(n, np.inf)
     total, total_sq, count = 0.0, 0.0, 0
     for i in range(burn, n):
-        prev_gap[i] = _gap_bounds(t[i:i + 1], q, [(p, L[i - 1]) for p, L in lows],
-                                  [(p, U[i - 1]) for p, U in ups])[0]
+        prev_gap[i] = _gap_bounds_at(t[i:i + 1], q, lows, ups, i - 1)[0]
         if count >= 2 and np.isfinite(prev_gap[i]):
             mean = total / count - PENALTY_BET * prev_gap[i]
             var = max(total_sq / count - (total / count) ** 2, 1e-6)
@@ -237,8 +237,7 @@ def tail_mean_log_evalue_path(champion: Sequence[float], candidate: Sequence[flo
         idx = idx[lam[idx] > 0]
         if not len(idx):
             continue
-        gap = np.minimum(_gap_bounds(t[idx], q, [(p, L[m - 1]) for p, L in lows],
-                                     [(p, U[m - 1]) for p, U in ups]), prev_gap[idx])
+        gap = np.minimum(_gap_bounds_at(t[idx], q, lows, ups, m - 1), prev_gap[idx])
         out[j] = float(np.log1p(lam[idx] * (g[idx] - gap)).sum())
     return out
 
