@@ -38,7 +38,7 @@ from adaptive_eagle.positions import bucket_label, bucket_of
 from adaptive_eagle.versions import PLAIN
 from policies.config import PolicyConfig
 from policies.samples import RequestSample
-from policies.sequential import first_bounded, quantile_bound, tail_evidence
+from policies.sequential import detectable_tail_gain, first_bounded, quantile_bound, tail_evidence
 
 Action = Literal["promote", "reject", "continue", "rollback", "hold"]
 PROMOTE, REJECT, CONTINUE, ROLLBACK, HOLD = "promote", "reject", "continue", "rollback", "hold"
@@ -381,12 +381,13 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
     if n < config.min_samples:
         if final:
             return Decision(REJECT, f"the evidence closed with {n} paired records, fewer than the "
-                                    f"{config.min_samples} a promotion needs ({record}).", ev)
+                                    f"{config.min_samples} a promotion needs ({record}). "
+                                    f"{_offline_power(a, config, ev)}", ev)
         return Decision(CONTINUE, f"need {config.min_samples} paired records, have {n} ({record}).", ev)
     if test["log_e_better"] < test["log_bar"]:
         if closing:
             return Decision(REJECT, f"inconclusive at {why_closed}: {record}, e-value {ev['e_better']:.2f} under "
-                                    f"{bar:.0f}.", ev)
+                                    f"{bar:.0f}. {_offline_power(a, config, ev)}", ev)
         return Decision(CONTINUE, f"{record}: e-value {ev['e_better']:.2f} of {bar:.0f}, not decided yet.", ev)
     guard = None
     if _dropped(mean_b - mean_a, mean_a, config.mean_tolerance):
@@ -405,6 +406,21 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
     return Decision(PROMOTE, f"{what} improves ({tail_a:.3f} -> {tail_b:.3f}, mean {mean_a:.3f} -> {mean_b:.3f}) "
                              f"over {n} paired records: higher at {config.confidence_level:.0%} at any look "
                              f"(e-value {ev['e_better']:.1f} >= {bar:.0f}).", ev)
+
+
+def _offline_power(champion: np.ndarray, config: PolicyConfig, ev: dict) -> str:
+    """What an offline gate that ends without a promotion could have shown on its records (into ev as
+    detectable_tail_gain, a share, or None): the smallest gain on every record that would have reached the bar
+    (policies.sequential.detectable_tail_gain), so the log says what went untested."""
+    gain = detectable_tail_gain(champion, config.tail_quantile, 1.0 - config.confidence_level,
+                                config.tail_statistic)
+    ev["detectable_tail_gain"] = gain
+    n = len(champion)
+    if gain is None:
+        return (f"At {n} paired records it could not have promoted even a head twice as good on every record; "
+                "this decision says nothing about the candidate's gain.")
+    return (f"At {n} paired records it could promote only a head at least {gain:.0%} better on every record; a "
+            "smaller gain could not be shown.")
 
 
 def canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],

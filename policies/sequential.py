@@ -295,6 +295,31 @@ def tail_evidence(champion: Sequence[float], candidate: Sequence[float], q: floa
     return {"log_e_better": float(better), "log_e_worse": float(worse), "log_bar": tail_log_bar(alpha)}
 
 
-__all__ = ["BAND_LEVELS", "BAND_SHARE", "bernoulli_below_log_martingale", "first_bounded", "quantile_bound",
-           "quantile_bound_path", "quantile_log_evalue_path", "rejecting_count", "tail_evidence", "tail_evidence_path",
-           "tail_log_bar", "tail_mean_log_evalue_path", "tail_thresholds"]
+def detectable_tail_gain(champion: Sequence[float], q: float, alpha: float,
+                         statistic: Literal["quantile", "tail_mean"], *, floor: float = 1.0,
+                         top: float = 1.0) -> float | None:
+    """The power of the paired tail test on these champion records: the smallest relative gain g (to `top`,
+    to 2 digits) such that a candidate scoring (1 + g) x the champion on every record would reach the bar at
+    the last record; None when even `top` would not. Every record gaining alike is the paired test's best
+    case, so a real head needs at least this gain to be promoted on this many records: a decision on fewer
+    records could not have told a head this much better from an equal one."""
+    a = np.asarray(champion, dtype=float)
+    if not len(a):
+        return None
+    bar = tail_log_bar(alpha)
+
+    def reaches(g: float) -> bool:
+        return tail_evidence_path(a, a * (1.0 + g), q, alpha, statistic, floor=floor, looks=[len(a)])[0] >= bar
+
+    if not reaches(top):
+        return None
+    lo, hi = 0.0, top  # reaches(hi); the e-value grows with a uniform gain
+    while hi - lo > 0.005:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
+    return round(hi, 2)
+
+
+__all__ = ["BAND_LEVELS", "BAND_SHARE", "bernoulli_below_log_martingale", "detectable_tail_gain", "first_bounded",
+           "quantile_bound", "quantile_bound_path", "quantile_log_evalue_path", "rejecting_count", "tail_evidence",
+           "tail_evidence_path", "tail_log_bar", "tail_mean_log_evalue_path", "tail_thresholds"]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import yaml
 
-from bench.rehearsal import CaptureCounter, _stale_gate_decisions, rehearsal_config
+from bench.rehearsal import CaptureCounter, _gate_power, _stale_gate_decisions, rehearsal_config
 from policies.log import PromotionEvent
 from loop.check import check_stack
 from loop.config import parse_stack_config
@@ -70,6 +70,18 @@ def test_stale_gate_decisions_use_the_champion_each_candidate_was_replayed_again
     events.append(PromotionEvent(event="rejected", candidate="nl-2", champion="nl-1", reason="offline gate: ...",
                                  evidence={"n": 20}))
     assert _stale_gate_decisions(events, reg) == {"stale": 1, "refused": 1}
+
+
+def test_the_gate_power_of_a_run_is_what_its_closing_decisions_could_have_shown():
+    """The full rehearsal requires a promotion only when some offline gate decision could have promoted a head
+    (bench/rehearsal.py _gate_power): decisions on windows too short to bet on leave it unclaimed."""
+    def rejected(n, gain):
+        return PromotionEvent(event="rejected", candidate=f"nl-{n}", champion="v1", reason="offline gate: ...",
+                              evidence={"gate": "offline_sequential", "n": n, "detectable_tail_gain": gain})
+
+    short = [rejected(22, None), rejected(28, None), PromotionEvent(event="considered", candidate="nl-9")]
+    assert _gate_power(short) == {"records_max": 28, "smallest": None}
+    assert _gate_power(short + [rejected(900, 0.31), rejected(1500, 0.12)]) == {"records_max": 1500, "smallest": 0.12}
 
 
 def test_trainer_recovery_counts_from_the_fault_taking_effect_to_a_step_of_the_new_process():

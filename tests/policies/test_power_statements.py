@@ -13,7 +13,7 @@ import yaml
 
 from policies.config import PolicyConfig
 from policies.gates import (CONTINUE, HOLD, PROMOTE, REJECT, health_canary_able_at, health_canary_gate,
-                            rollback_check)
+                            rollback_check, sequential_offline_gate)
 from policies.samples import RequestSample
 from policies.sequential import first_bounded
 
@@ -89,3 +89,36 @@ def test_a_watch_that_passes_says_what_fall_it_could_have_seen():
     assert d.action == HOLD and "could detect a fall of about" in d.reason and "could pass unseen" in d.reason
     pct = int(re.search(r"or more \((\d+)%\)", d.reason).group(1))
     assert pct >= round(100 * cfg.rollback_margin)
+
+
+def paired(rng, n: int, gain: float) -> tuple[list[RequestSample], list[RequestSample]]:
+    acc = np.maximum(1.0, 1.0 + rng.gamma(2.0, 0.5, n))
+    a = [RequestSample(float(x), "v1", "english", f"r{i}", finished_at=float(i)) for i, x in enumerate(acc)]
+    b = [RequestSample(float(x) * (1 + gain), "v2", "english", f"r{i}", finished_at=float(i))
+         for i, x in enumerate(acc)]
+    return a, b
+
+
+@pytest.mark.parametrize("which", ["demo", "prod"])
+def test_an_offline_gate_that_closes_without_a_promotion_says_what_it_could_have_shown(which):
+    """An inconclusive close states the smallest gain on every record its records could have promoted, and that
+    figure is true: a head with that gain on every record passes the same gate on the same records (and at a
+    window too small to bet on, the line says it could show nothing)."""
+    cfg = demo_policy() if which == "demo" else prod_policy()
+    rng = np.random.default_rng(1)
+    small = max(cfg.min_samples, 20)
+    a, b = paired(rng, small, 0.0)
+    shut = sequential_offline_gate(a, b, cfg, final=True)
+    assert shut.action == REJECT
+    assert shut.evidence["detectable_tail_gain"] is None, shut.reason
+    assert "could not have promoted even a head twice as good" in shut.reason
+    n = 1500 if which == "demo" else 4000
+    a, b = paired(rng, n, 0.0)
+    shut = sequential_offline_gate(a, b, cfg, final=True)
+    assert shut.action == REJECT
+    g = shut.evidence["detectable_tail_gain"]
+    assert g is not None and 0 < g < 1, shut.reason
+    assert f"could promote only a head at least {g:.0%} better on every record" in shut.reason
+    lifted = [RequestSample(s.accept_length * (1 + g), "v2", s.domain, s.request_id, finished_at=s.finished_at)
+              for s in a]
+    assert sequential_offline_gate(a, lifted, cfg, final=True).action == PROMOTE
