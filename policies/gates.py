@@ -410,8 +410,8 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
 
 def _offline_power(champion: np.ndarray, config: PolicyConfig, ev: dict) -> str:
     """What an offline gate that ends without a promotion could have shown on its records (into ev as
-    detectable_tail_gain, a share, or None): the smallest gain on every record that would have reached the bar
-    (policies.sequential.detectable_tail_gain), so the log says what went untested."""
+    detectable_tail_gain, a share, or None): a gain on every record that reaches the bar on them and one 0.5%
+    smaller that does not (policies.sequential.detectable_tail_gain), so the log says what went untested."""
     gain = detectable_tail_gain(champion, config.tail_quantile, 1.0 - config.confidence_level,
                                 config.tail_statistic)
     ev["detectable_tail_gain"] = gain
@@ -419,8 +419,8 @@ def _offline_power(champion: np.ndarray, config: PolicyConfig, ev: dict) -> str:
     if gain is None:
         return (f"At {n} paired records it could not have promoted even a head twice as good on every record; "
                 "this decision says nothing about the candidate's gain.")
-    return (f"At {n} paired records it could promote only a head at least {gain:.0%} better on every record; a "
-            "smaller gain could not be shown.")
+    return (f"At {n} paired records it would have promoted a head {gain:.1%} better on every record, and not one "
+            f"{gain - 0.005:.1%} better.")
 
 
 def canary_gate(champion: Sequence[RequestSample], candidate: Sequence[RequestSample],

@@ -298,11 +298,11 @@ def tail_evidence(champion: Sequence[float], candidate: Sequence[float], q: floa
 def detectable_tail_gain(champion: Sequence[float], q: float, alpha: float,
                          statistic: Literal["quantile", "tail_mean"], *, floor: float = 1.0,
                          top: float = 1.0) -> float | None:
-    """The power of the paired tail test on these champion records: the smallest relative gain g (to `top`,
-    to 2 digits) such that a candidate scoring (1 + g) x the champion on every record would reach the bar at
-    the last record; None when even `top` would not. Every record gaining alike is the paired test's best
-    case, so a real head needs at least this gain to be promoted on this many records: a decision on fewer
-    records could not have told a head this much better from an equal one."""
+    """The power of the paired tail test on these champion records: a relative gain g (to `top`, found by
+    bisection to 0.005) such that a candidate scoring (1 + g) x the champion on every record reaches the bar at
+    the last record and one scoring (1 + g - 0.005) x does not; None when even `top` would not. The e-value is
+    not strictly monotone in g, so this is what was checked, not a proof that no smaller gain reaches it.
+    Every record gaining alike is the paired test's best case for a given gain."""
     a = np.asarray(champion, dtype=float)
     if not len(a):
         return None
@@ -313,7 +313,7 @@ def detectable_tail_gain(champion: Sequence[float], q: float, alpha: float,
 
     if not reaches(top):
         return None
-    lo, hi = 0.0, top  # reaches(hi); the e-value grows with a uniform gain
+    lo, hi = 0.0, top  # reaches(hi) and not reaches(lo) (lo = 0: an equal head never reaches it)
     while hi - lo > 0.005:
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if reaches(mid) else (mid, hi)
