@@ -56,11 +56,12 @@ test: setup redis-server prometheus sglang-wheel
 
 # the suite as a shared CI machine meets it: a busy process on every core and an empty cache (fresh
 # compute-mode table, calibrations and target, all made under load); no test's verdict may change.
-# CPU_ISA=avx2 also runs PyTorch's and oneDNN's AVX2 kernels on an AVX-512 machine (an AVX2-only CPU's
+# CPU_ISA=avx2 also runs PyTorch's, oneDNN's and FBGEMM's AVX2 kernels on an AVX-512 machine (an AVX2-only CPU's
 # kernels; /proc/cpuinfo still lists the machine's own flags)
 CPU_ISA ?=
 test-loaded: setup redis-server prometheus sglang-wheel
-	$(if $(CPU_ISA),ATEN_CPU_CAPABILITY=$(CPU_ISA) ONEDNN_MAX_CPU_ISA=$(shell echo $(CPU_ISA) | tr a-z A-Z)) \
+	$(if $(CPU_ISA),ATEN_CPU_CAPABILITY=$(CPU_ISA) ONEDNN_MAX_CPU_ISA=$(shell echo $(CPU_ISA) | tr a-z A-Z) \
+	  FBGEMM_ENABLE_INSTRUCTIONS=$(shell echo $(CPU_ISA) | tr a-z A-Z)) \
 	  SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-cpu-hog.sh ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # between edits: the suite without the slow tests (the real SmolLM2 target, Ray, real data; tests/conftest.py marks

@@ -54,7 +54,9 @@ MODE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp32+fp16-weights
 PURPOSES = ("speculative", "plain")
 PROBE_SIZES = (1, 2, 4, 8, 16, 17)
 PROBE_PREFIX = 64
-TABLE_SCHEME = 1
+# what limits PyTorch's, oneDNN's and FBGEMM's kernels to an instruction set below the CPU's
+ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+TABLE_SCHEME = 2  # 2: each mode's row-stability check and verify residual (`rows_stable`, `verify_logit_diff`)
 DRAFT_FRACTION = 0.25  # drafting ms per step / one-token forward ms (~10 / 37 ms measured on an AVX2 CPU)
 
 
@@ -128,7 +130,9 @@ def machine_key(device: torch.device | str = "cpu") -> str:
         return "cuda:" + torch.cuda.get_device_name(device)
     model, flags = _cpuinfo()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"cpu:{model}|{','.join(flags) or 'no-simd-flags'}|{cores} cores"
+    # kernels limited to another instruction set than the CPU's (make test-loaded CPU_ISA=avx2) are another machine
+    forced = [f"{k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k)]
+    return f"cpu:{model}|{','.join(flags) or 'no-simd-flags'}|{cores} cores" + "".join(f"|{f}" for f in forced)
 
 
 def table_key(machine: str, fingerprint: str, torch_version: str = torch.__version__) -> str:
@@ -147,6 +151,14 @@ class ComputeTable:
     forward_ms: dict[str, dict[int, float]]  # mode -> {q: ms}
     measured_at: str = ""
     busy: bool = False  # other work was running while it was timed: re-timed once the machine is quiet
+    # mode -> whether every linear of the model gave each row the same bits at every call size here (shape_check)
+    rows_stable: dict[str, bool] = field(default_factory=dict)
+    # mode -> largest |logit| difference between a verify forward and one-token steps (attention's residual)
+    verify_logit_diff: dict[str, float] = field(default_factory=dict)
+
+    def exact(self, mode: str) -> bool:
+        """Exact here: fp32 math (is_exact_mode) whose linears passed the row-stability check on this machine."""
+        return is_exact_mode(mode) and self.rows_stable.get(mode, False)
 
     @property
     def key(self) -> str:
@@ -155,7 +167,8 @@ class ComputeTable:
     def to_json(self) -> str:
         return json.dumps({"scheme": TABLE_SCHEME, "machine": self.machine, "fingerprint": self.fingerprint,
                            "torch_version": self.torch_version, "measured_at": self.measured_at,
-                           "busy": self.busy,
+                           "busy": self.busy, "rows_stable": self.rows_stable,
+                           "verify_logit_diff": self.verify_logit_diff,
                            "forward_ms": {m: {str(q): ms for q, ms in r.items()} for m, r in self.forward_ms.items()}},
                           indent=1, sort_keys=True) + "\n"
 
@@ -183,10 +196,19 @@ class ComputeTable:
                 raise ComputeTableError(f"mode {mode}: sizes {sorted(forward[mode])} != {list(PROBE_SIZES)}")
             if not all(math.isfinite(v) and v > 0 for v in forward[mode].values()):
                 raise ComputeTableError(f"mode {mode}: a time is not a positive number")
+        stable, diff = raw.get("rows_stable"), raw.get("verify_logit_diff")
+        if not isinstance(stable, dict) or not set(forward) <= set(stable) or \
+                not all(isinstance(v, bool) for v in stable.values()):
+            raise ComputeTableError("no row-stability result for every mode (rows_stable)")
+        if not isinstance(diff, dict) or not set(forward) <= set(diff) or \
+                not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in diff.values()):
+            raise ComputeTableError("no verify residual for every mode (verify_logit_diff, a number >= 0)")
         try:
             return cls(machine=str(raw["machine"]), fingerprint=str(raw["fingerprint"]),
                        torch_version=str(raw["torch_version"]), forward_ms=forward,
-                       measured_at=str(raw.get("measured_at", "")), busy=bool(raw.get("busy", False)))
+                       measured_at=str(raw.get("measured_at", "")), busy=bool(raw.get("busy", False)),
+                       rows_stable={m: stable[m] for m in forward},
+                       verify_logit_diff={m: float(diff[m]) for m in forward})
         except KeyError as e:
             raise ComputeTableError(f"missing field {e}") from None
 
@@ -254,7 +276,9 @@ def mode_scores(table: ComputeTable, profile: AcceptanceProfile = REFERENCE_TREE
     out = {}
     for mode, row in table.forward_ms.items():
         spec, nodes = speculative_score(row, profile)
-        out[mode] = {"exact": is_exact_mode(mode), "plain_ms_per_token": round(row[1], 3),
+        out[mode] = {"exact": table.exact(mode), "rows_stable": table.rows_stable.get(mode),
+                     "verify_logit_diff": table.verify_logit_diff.get(mode),
+                     "plain_ms_per_token": round(row[1], 3),
                      "plain_tokens_per_ms": round(plain_score(row), 5), "speculative_tokens_per_ms": round(spec, 5),
                      "best_tree_nodes": nodes, "forward_ms": {q: round(ms, 3) for q, ms in sorted(row.items())}}
     return out
@@ -281,18 +305,28 @@ def choose(table: ComputeTable, purpose: str = "speculative", allow_inexact: boo
         raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}; got {purpose!r}")
     rows = {m: r for m, r in table.forward_ms.items() if modes is None or m in set(modes)}
     scores = {m: (plain_score(r) if purpose == "plain" else speculative_score(r, profile)[0]) for m, r in rows.items()}
-    allowed = {m: s for m, s in scores.items() if allow_inexact or is_exact_mode(m)}
+    allowed = {m: s for m, s in scores.items() if allow_inexact or table.exact(m)}
+    fallback = not allowed and not allow_inexact
+    if fallback:  # no mode passed the row-stability check here: the fp32-math ones, labelled (Target.lossless)
+        allowed = {m: s for m, s in scores.items() if is_exact_mode(m)}
     if not allowed:
         raise ValueError(f"no {'' if allow_inexact else 'exact '}compute mode in the table ({', '.join(rows) or 'empty'})")
-    best = max(allowed, key=lambda m: (allowed[m], is_exact_mode(m)))
+    best = max(allowed, key=lambda m: (allowed[m], table.exact(m)))
+
+    def label(m: str) -> str:
+        return ("" if table.exact(m) else " (rows not stable here)" if is_exact_mode(m) else " (inexact)")
+
     unit = "tokens/ms predicted" if purpose == "speculative" else "tokens/ms"
-    others = ", ".join(f"{m} {s:.4f}{'' if is_exact_mode(m) else ' (inexact)'}"
-                       for m, s in sorted(scores.items(), key=lambda kv: -kv[1]) if m != best)
-    reason = (f"{best}: fastest {'' if allow_inexact else 'exact '}mode for {purpose} decoding "
+    others = ", ".join(f"{m} {s:.4f}{label(m)}" for m, s in sorted(scores.items(), key=lambda kv: -kv[1]) if m != best)
+    kind = "fp32-math" if fallback else "" if allow_inexact else "exact "
+    reason = (f"{best}: fastest {kind}{' ' if fallback else ''}mode for {purpose} decoding "
               f"({allowed[best]:.4f} {unit}{'; others: ' + others if others else ''})")
+    if fallback:
+        reason += ("; no mode passed the row-stability check here (a linear's rows depend on how many rows its call "
+                   "holds), so greedy speculative output may differ from plain greedy where two tokens nearly tie")
     faster = [m for m, s in scores.items() if s > allowed[best] and m not in allowed]
     if faster:
-        reason += f"; {', '.join(faster)} would be faster but is not exact (pass it explicitly to use it)"
+        reason += f"; {', '.join(faster)} would be faster but is not exact here (pass it explicitly to use it)"
     return best, reason
 
 
@@ -342,6 +376,87 @@ class _Probe:
         return (time.perf_counter() - t0) * 1e3
 
 
+@dataclass(frozen=True)
+class ShapeCheck:
+    """What compute-mode measurement found about a model's dependence on a call's shape, on this machine.
+
+    rows_stable: every linear gave each of its input rows the same bits in every call of 1..MAX_ROWS rows
+    (cpu_linear.py); a verify forward multiplies q rows at once, plain decoding one, so an exact mode needs it.
+    verify_logit_diff: the largest |logit| difference between a verify forward (a chain under the engine's tree
+    mask) and the same tokens fed one at a time. Attention reduces over the keys in an order that depends on
+    the number of keys and queries (SDPA and eager alike), so this is not 0 even with stable rows: it bounds
+    how near a tie of the top two logits must be for greedy speculative output to differ from plain greedy."""
+
+    rows_stable: bool
+    verify_logit_diff: float
+
+
+def _linears(model: torch.nn.Module) -> dict[tuple, torch.nn.Module]:
+    """One linear module per (kind, in, out): the shapes a forward multiplies at."""
+    out = {}
+    for m in model.modules():
+        if hasattr(m, "in_features") and hasattr(m, "out_features") and not list(m.children()):
+            out.setdefault((type(m).__name__, m.in_features, m.out_features), m)
+    return out
+
+
+@torch.inference_mode()
+def rows_stable(model: torch.nn.Module, max_rows: int | None = None, seed: int = 0) -> bool:
+    """Whether every linear of `model` (one per kind and shape) gives each row the same bits whether its call
+    holds 1, 2, ... or max_rows rows (default cpu_linear.MAX_ROWS), here."""
+    from adaptive_eagle.cpu_linear import MAX_ROWS
+
+    n = max_rows or MAX_ROWS
+    g = torch.Generator().manual_seed(seed)
+    for module in _linears(model).values():
+        param = next(module.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        dtype = param.dtype if param is not None and param.dtype.is_floating_point else torch.float32
+        x = torch.randn(n, module.in_features, generator=g).to(device=device, dtype=dtype)
+        whole = module(x)
+        if not all(torch.equal(module(x[:m]), whole[:m]) for m in range(1, n)):
+            return False
+    return True
+
+
+@torch.inference_mode()
+def verify_logit_diff(model: torch.nn.Module, prefix: int = 24, steps: int = 6) -> float:
+    """After the same `prefix`-token prefill: `steps` tokens fed one at a time (plain decoding) vs the same
+    tokens verified at once as a chain under the engine's tree mask (tree.tree_attention_mask, as
+    engine._verify passes it); the largest |logit| difference (0.0: bit for bit)."""
+    from transformers import DynamicCache
+
+    from adaptive_eagle.tree import chain_tree, tree_attention_mask, tree_position_ids
+
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ids = [(13 * i + 5) % vocab for i in range(prefix + steps)]
+    params = inspect.signature(model.forward).parameters
+    kw = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+    def prefilled() -> DynamicCache:
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([ids[:prefix]], device=device), use_cache=True, **{kw: cache},
+              position_ids=torch.arange(prefix, device=device)[None])
+        return cache
+
+    cache = prefilled()
+    one = torch.stack([model(input_ids=torch.tensor([[t]], device=device), use_cache=True, **{kw: cache},
+                             position_ids=torch.tensor([[prefix + i]], device=device)).logits[0, -1]
+                       for i, t in enumerate(ids[prefix:])])
+    chain = chain_tree(ids[prefix + 1:])
+    dtype = next(model.parameters()).dtype
+    out = model(input_ids=torch.tensor([ids[prefix:]], device=device), use_cache=True, **{kw: prefilled()},
+                position_ids=tree_position_ids(chain, prefix)[None].to(device),
+                attention_mask=tree_attention_mask(chain, prefix, dtype).to(device))
+    return float((one.float() - out.logits[0].float()).abs().max())
+
+
+def shape_check(model: torch.nn.Module) -> ShapeCheck:
+    """rows_stable and verify_logit_diff of `model` here (a few seconds for SmolLM2-135M)."""
+    return ShapeCheck(rows_stable(model), verify_logit_diff(model))
+
+
 @torch.inference_mode()
 def time_forwards(models: dict[str, torch.nn.Module], sizes: Sequence[int] = PROBE_SIZES,
                   prefix: int = PROBE_PREFIX, reps: int = 3) -> dict[str, dict[int, float]]:
@@ -377,13 +492,16 @@ def machine_busy(threshold: float = 0.5) -> bool:
 def measure_table(make_model: Callable[[str], torch.nn.Module], modes: Sequence[str], machine: str,
                   fingerprint: str, reps: int = 3) -> ComputeTable:
     """Time every mode's model (built by make_model(mode), all held at once, dropped after) over
-    PROBE_SIZES, interleaved; `busy` records whether other work was running when timing started."""
+    PROBE_SIZES, interleaved, after checking each one's shape dependence (`shape_check`); `busy` records
+    whether other work was running when timing started."""
     busy = machine_busy()
     models = {mode: make_model(mode) for mode in modes}
+    checks = {mode: shape_check(model) for mode, model in models.items()}
     rows = time_forwards(models, PROBE_SIZES, PROBE_PREFIX, reps)
     del models
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return ComputeTable(machine, fingerprint, torch.__version__, rows, now, busy)
+    return ComputeTable(machine, fingerprint, torch.__version__, rows, now, busy,
+                        {m: c.rows_stable for m, c in checks.items()}, {m: c.verify_logit_diff for m, c in checks.items()})
 
 
 def read_table(path: Path, machine: str, fingerprint: str, modes: Sequence[str]) -> ComputeTable:

@@ -1,6 +1,7 @@
 """Fast CPU matmuls for bf16 checkpoints on CPUs without native bf16 (AVX2-class x86).
 
-Owns: swapping a module's nn.Linear layers for FBGEMM fp16-weight / fp32-activation kernels.
+Owns: swapping a module's nn.Linear layers for FBGEMM fp16-weight / fp32-activation kernels, and making the
+linears of the exact modes row-stable (a row's bits do not depend on how many rows its call holds).
 Must not touch: what the model computes beyond rounding (every bf16 weight in fp16's normal range
 is held exactly; activations and accumulation are fp32, i.e. more precise than bf16 compute).
 
@@ -10,14 +11,32 @@ bytes, so one-token decoding is ~1.75x slower than bf16. FBGEMM's fp16-weight ke
 the bytes and computes in fp32 (measured on a 2-core AVX2 EPYC, 1536x576 weight: 0.055 ms at
 1 row vs bf16 0.099; 0.335 ms at 17 rows vs bf16 1.63). Plain and speculative decoding then run
 the same faster kernels, so speedups stay comparable.
+
+Exact on every CPU kind (row stability). Greedy speculative output equals plain greedy only if a row's
+result does not depend on how many rows the call holds: a verify forward multiplies q rows at once, plain
+decoding one. Some kernels break that. Measured here (torch 2.13): FBGEMM's fp16 kernel is row-stable with its
+AVX-512 kernels, but its AVX2 kernels (an AVX2-only EPYC, or FBGEMM_ENABLE_INSTRUCTIONS=AVX2) compute rows that
+fall into 1- or 2-row blocks in another order (M = 1, 2, 7, 14, 31, 32, ... give other last bits than M = 3..6);
+fp32's MKL/oneDNN GEMM gives M = 1, 2, 3, 5, 6, 7, 9, 10, 11 other bits than larger calls, on AVX-512 too.
+So each kernel is probed once per process and weight shape (`stable_rows`: which row counts up to MAX_ROWS
+compute every row as the common result), and a call whose row count is not one of them is padded to the next
+one, or cut into chunks of the largest (`row_plan`). Where every count is stable (FBGEMM on AVX-512) calls go
+straight through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import threading
 import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _DEPRECATED = r"fbgemm_.* is deprecated"
@@ -37,6 +56,110 @@ def fbgemm_fp16_available() -> bool:
         return False
 
 
+MAX_ROWS = 48  # row counts probed per kernel and shape: calls up to this size are padded, larger ones chunked
+
+
+@dataclass(frozen=True)
+class StableRows:
+    """The row counts (1..MAX_ROWS) at which a kernel computes every row exactly as its common result does."""
+
+    sizes: tuple[int, ...]
+
+    @property
+    def all(self) -> bool:
+        return len(self.sizes) == MAX_ROWS
+
+    def plan(self, n: int) -> list[tuple[int, int, int]]:
+        """(start, stop, size) calls that compute n rows: rows [start, stop) in a call of `size` rows (padded
+        with zero rows past stop). Every size is a stable one."""
+        return row_plan(n, self.sizes)
+
+
+def row_plan(n: int, sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Cut n rows into calls of stable sizes: n itself when stable, else padded up to the next stable size,
+    else chunks of the largest stable size and a padded remainder. ValueError when no size is stable."""
+    if not sizes:
+        raise ValueError("no stable row count: this kernel's rows depend on the call's size at every size probed")
+    out, start, big = [], 0, max(sizes)
+    while n - start > big:
+        out.append((start, start + big, big))
+        start += big
+    rest = n - start
+    if rest:
+        out.append((start, n, next(k for k in sizes if k >= rest)))
+    return out
+
+
+def _probe_rows(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, max_rows: int = MAX_ROWS,
+                seed: int = 0) -> tuple[int, ...]:
+    """Row counts 1..max_rows at which fn (rows -> rows) gives every row its common value: the value most
+    calls holding that row agree on, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max_rows, in_features, generator=g)
+    outs = {}  # m -> a digest per row (a wide output held 48 times over would take hundreds of MB)
+    with torch.inference_mode():
+        for m in range(1, max_rows + 1):
+            y = fn(x[:m]).contiguous().numpy()
+            outs[m] = [hashlib.blake2b(y[r].tobytes(), digest_size=16).digest() for r in range(m)]
+    common = [Counter(outs[m][r] for m in range(r + 1, max_rows + 1)).most_common(1)[0][0] for r in range(max_rows)]
+    return tuple(m for m in range(1, max_rows + 1) if all(outs[m][r] == common[r] for r in range(m)))
+
+
+@functools.cache
+def stable_rows(kernel: str, in_features: int, out_features: int, threads: int) -> StableRows:
+    """Probe `kernel` ("fp16-packed": FBGEMM fp16 weights, fp32 activations; "fp32": F.linear) at this weight
+    shape and thread count, once per process (random weights: the blocking that breaks stability depends on
+    the shape, the instruction set and the threads, not on the values)."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(torch.bfloat16).float()
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if kernel == "fp16-packed":
+            packed, bias = torch.fbgemm_pack_gemm_matrix_fp16(w), torch.zeros(out_features)
+            sizes = _probe_rows(lambda x: torch.fbgemm_linear_fp16_weight_fp32_activation(x, packed, bias), in_features)
+        elif kernel == "fp32":
+            sizes = _probe_rows(lambda x: F.linear(x, w), in_features)
+        else:
+            raise ValueError(f"kernel must be 'fp16-packed' or 'fp32', got {kernel!r}")
+    finally:
+        torch.set_num_threads(prev)
+    return StableRows(sizes)
+
+
+_RAW = threading.local()  # raw_rows(): this thread calls the kernels at any row count
+
+
+@contextlib.contextmanager
+def raw_rows():
+    """Within it (this thread), linears call their kernels at the row count given, as plain PyTorch does: what a
+    user's own decoding (HF generate()) runs, for benchmark baselines. Exactness does not hold inside."""
+    prev = getattr(_RAW, "on", False)
+    _RAW.on = True
+    try:
+        yield
+    finally:
+        _RAW.on = prev
+
+
+def stable_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: StableRows) -> torch.Tensor:
+    """fn over the rows of x (2-D), in calls of stable sizes only: every row comes out as it would in any other
+    call (a one-token decode step and a verify forward agree bit for bit). Padding costs where small calls are
+    unstable: a one-row step padded to 3 rows took 23.7 ms instead of 18.7 ms for SmolLM2-135M with FBGEMM's AVX2
+    kernels, padded to 4 rows in fp32 73 ms instead of 52 ms (1 thread, 2-core EPYC); verify forwards of 4 rows
+    and more cost the same."""
+    n = x.shape[0]
+    if rows.all or (n <= MAX_ROWS and n in rows.sizes) or getattr(_RAW, "on", False):
+        return fn(x)
+    parts = []
+    for start, stop, size in rows.plan(n):
+        chunk = x[start:stop]
+        if size > stop - start:
+            chunk = torch.cat([chunk, chunk.new_zeros(size - (stop - start), x.shape[1])])
+        parts.append(fn(chunk)[: stop - start])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class Fp16PackedLinear(nn.Module):
     """nn.Linear with its weight packed to fp16 for FBGEMM; takes and returns fp32 (CPU only)."""
 
@@ -50,12 +173,47 @@ class Fp16PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.fbgemm_linear_fp16_weight_fp32_activation(
-            x.reshape(-1, shape[-1]).float().contiguous(), self._packed, self.bias)
+        rows = stable_rows("fp16-packed", self.in_features, self.out_features, torch.get_num_threads())
+        y = stable_apply(self._matmul, x.reshape(-1, shape[-1]).float().contiguous(), rows)
         return y.reshape(*shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fbgemm_linear_fp16_weight_fp32_activation(x, self._packed, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16-packed"
+
+
+class StableLinear(nn.Module):
+    """An fp32 nn.Linear whose rows do not depend on the call's row count (stable_apply over F.linear); holds
+    the original module's weight and bias (CPU, inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = stable_rows("fp32", self.in_features, self.out_features, torch.get_num_threads())
+        y = stable_apply(lambda z: F.linear(z, self.weight, self.bias), x.reshape(-1, shape[-1]).contiguous(), rows)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows=stable"
+
+
+def stabilize_linears(module: nn.Module) -> int:
+    """Replace every fp32 nn.Linear under `module` with a StableLinear (in place; the weights are shared, tied
+    ones stay tied); returns how many. For fp32 targets on CPU, whose GEMM is not row-stable (module doc)."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, StableLinear(child))
+            count += 1
+        else:
+            count += stabilize_linears(child)
+    return count
 
 
 def pack_linears(module: nn.Module) -> int:

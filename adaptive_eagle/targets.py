@@ -130,16 +130,23 @@ class Target:
     aux_layer_ids: tuple[int, ...]
     compute: str = ""  # how the forward runs: "bfloat16", "float32", "float32+fp16-weights" (cpu_linear.py), "float16"
     compute_choice: C.ComputeChoice | None = None  # why it runs that way (load_target); None for hand-made targets
+    # load_target's check on this machine (compute.rows_stable) for fp32-math modes; None: not checked
+    rows_stable: bool | None = None
 
     @property
     def exact(self) -> bool:
-        """fp32 math: greedy speculative output equals plain greedy token for token (compute.py)."""
+        """fp32 math whose linears give a row the same bits in a verify forward as in a one-token step here:
+        greedy speculative output equals plain greedy token for token, up to attention's residual (compute.py)."""
         return self.lossless == "exact"
 
     @property
     def lossless(self) -> str:
-        """'exact', or 'lossless up to bf16 rounding' (fp16 likewise)."""
-        return C.lossless_label(self.compute or str(self.dtype).removeprefix("torch."), self.device.type)
+        """'exact', or 'lossless up to bf16 rounding' (fp16 likewise), or, for fp32 math that failed the
+        row-stability check here, 'lossless up to kernel rounding'."""
+        label = C.lossless_label(self.compute or str(self.dtype).removeprefix("torch."), self.device.type)
+        if label == "exact" and self.rows_stable is False:
+            return "lossless up to kernel rounding (rows not stable here)"
+        return label
 
     @property
     def config(self):
@@ -329,8 +336,13 @@ def load_target(
     ids = tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n)
     if any(not 0 < k < n for k in ids):
         raise ValueError(f"aux layer ids {ids} must lie in 1..{n - 1} (inputs of decoder layers)")
+    stable = None
+    if C.is_exact_mode(choice.mode):  # measured with the table, else checked here (a second or two)
+        measured = choice.table.rows_stable if choice.table is not None else {}
+        stable = measured[choice.mode] if choice.mode in measured else C.rows_stable(model)
     return Target(name=name_or_path, model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path,
-                  aux_layer_ids=ids, compute=C.COMPUTE_NAMES.get(choice.mode, choice.mode), compute_choice=choice)
+                  aux_layer_ids=ids, compute=C.COMPUTE_NAMES.get(choice.mode, choice.mode), compute_choice=choice,
+                  rows_stable=stable)
 
 
 _DTYPE_MODES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
@@ -349,6 +361,10 @@ def build_model(path: Path, mode: str, device: torch.device) -> torch.nn.Module:
         from adaptive_eagle.cpu_linear import pack_linears
 
         pack_linears(model)
+    elif mode == "fp32" and device.type == "cpu":  # CPU fp32 GEMM is not row-stable (cpu_linear.py)
+        from adaptive_eagle.cpu_linear import stabilize_linears
+
+        stabilize_linears(model)
     return model
 
 

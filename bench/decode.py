@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adaptive_eagle.checkpoint import load_head  # noqa: E402
 from adaptive_eagle.compute import available_modes, is_exact_mode, mode_of  # noqa: E402
-from adaptive_eagle.cpu_linear import fbgemm_fp16_available  # noqa: E402
+from adaptive_eagle.cpu_linear import fbgemm_fp16_available, raw_rows  # noqa: E402
 from adaptive_eagle.engine import EngineConfig, SpeculativeEngine  # noqa: E402
 from adaptive_eagle.targets import checkpoint_dtype, load_target  # noqa: E402
 from adaptive_eagle.trace import SamplingParams  # noqa: E402
@@ -85,10 +85,13 @@ def engine_config(**kw) -> EngineConfig:
 
 
 def hf_generate(target, ids, max_new, lookup: int | None) -> list[int]:
+    """HF generate() as a user runs it: the kernels at the row counts it calls them with (raw_rows), not padded
+    to the row counts exactness needs (cpu_linear.py), so the baseline is not slowed by our exactness."""
     x = torch.tensor([ids], device=target.device)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                                pad_token_id=target.tokenizer.eos_token_id, **kw)
+    with raw_rows():
+        out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                    pad_token_id=target.tokenizer.eos_token_id, **kw)
     return out[0, len(ids):].tolist()
 
 

@@ -110,12 +110,27 @@ class _Run:
     prompts_reused: int = 0  # prompts sent a second time (a pool ran out): PromptCycle.reused
 
 
+def _replica_compute(stack, timeout_s: float = 120.0) -> str:
+    """The compute mode the first replica's target runs in (its backend's info), e.g. "float32+fp16-weights"."""
+    import asyncio
+
+    status = asyncio.run(asyncio.wait_for(stack.replicas[0].status(), timeout_s))
+    compute = status.info.get("compute")
+    if not compute:
+        raise RuntimeError(f"replica {status.replica} reports no compute mode (backend {status.backend})")
+    return compute
+
+
 def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _Run:
     from adaptive_eagle.targets import load_target
     from loop.metrics import candidate_times
 
-    echo("loading the target in this process (frozen-head control, greedy checks) ...")
-    target = load_target(stack.config.serving.target, device=stack.config.serving.device)
+    # the greedy checks compare with plain decoding in the replicas' own compute mode: two exact modes round
+    # differently (fp32 and fp32+fp16-weights), and a mode measured anew here could differ from theirs
+    compute = _replica_compute(stack)
+    echo(f"loading the target in this process (frozen-head control, greedy checks) in the replicas' compute mode "
+         f"({compute}) ...")
+    target = load_target(stack.config.serving.target, device=stack.config.serving.device, compute=compute)
     frozen = info.champion
     frozen_head = stack.registry.load(frozen, target, device=target.device)
     decoder = control.FrozenDecoder(control.decode_server(target, frozen_head, ENGINE), cfg.control_every,

@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 from adaptive_eagle import compute as C
 from adaptive_eagle.cpu_linear import fbgemm_fp16_available
@@ -28,7 +27,9 @@ def row(one: float, per_token: float) -> dict[int, float]:
 
 
 def packed_table(**rows) -> C.ComputeTable:
-    return C.ComputeTable("cpu:test", "fp:test", torch.__version__, rows)
+    """A table whose fp32-math modes passed the row-stability check (a measured table checks it: shape_check)."""
+    return C.ComputeTable("cpu:test", "fp:test", torch.__version__, rows,
+                          rows_stable={m: C.is_exact_mode(m) for m in rows}, verify_logit_diff={m: 0.0 for m in rows})
 
 
 # ---- the choice (pure, table-driven) ---------------------------------------------------------------
@@ -142,12 +143,16 @@ def test_table_is_measured_once_then_read_from_the_cache(tmp_path, tiny_models):
     (lambda good: json.dumps({**good, "forward_ms": {**good["forward_ms"], "fp32": {"1": -3.0}}}), "sizes"),
     (lambda good: json.dumps({**good, "forward_ms": {**good["forward_ms"], "int8": good["forward_ms"]["fp32"]}}),
      "unknown mode"),
+    (lambda good: json.dumps({k: v for k, v in good.items() if k != "rows_stable"}), "rows_stable"),
+    (lambda good: json.dumps({**good, "rows_stable": {"fp32": "yes", "bf16": False}}), "rows_stable"),
+    (lambda good: json.dumps({**good, "verify_logit_diff": {"fp32": -1.0, "bf16": 0.0}}), "verify_logit_diff"),
 ])
 def test_corrupt_cache_is_refused_with_a_reason_and_remeasured(tmp_path, monkeypatch, corrupt, reason):
     calls = []
     make = calls.append  # the timing is faked here: this test is about the file
     monkeypatch.setattr(C, "time_forwards", lambda models, sizes, prefix, reps: {
         m: {q: 1.0 + q for q in sizes} for m in models})
+    monkeypatch.setattr(C, "shape_check", lambda model: C.ShapeCheck(True, 0.0))
     C.cached_table(tmp_path, make, ("bf16", "fp32"), "cpu:test", "fp:tiny", reps=1)
     path = tmp_path / f"{C.table_key('cpu:test', 'fp:tiny')}.json"
     path.write_text(corrupt(json.loads(path.read_text())))
@@ -171,6 +176,7 @@ def test_a_table_timed_on_a_busy_machine_is_retimed_once_it_is_quiet(tmp_path, m
     calls = []
     monkeypatch.setattr(C, "time_forwards", lambda models, sizes, prefix, reps: {
         m: {q: 1.0 + q for q in sizes} for m in models})
+    monkeypatch.setattr(C, "shape_check", lambda model: C.ShapeCheck(True, 0.0))
     monkeypatch.setattr(C, "machine_busy", lambda threshold=0.5: True)
     table, source, _ = C.cached_table(tmp_path, calls.append, ("fp32",), "cpu:test", "fp:tiny", reps=1)
     assert source == "measured" and table.busy
@@ -208,7 +214,7 @@ def cache_root(tmp_path, monkeypatch):
 
 
 def _packed(model) -> bool:
-    return not any(isinstance(m, nn.Linear) for m in model.modules())
+    return any(type(m).__name__ == "Fp16PackedLinear" for m in model.modules())
 
 
 FORCED = {"cpu": [("bf16", "bfloat16", False), ("fp32", "float32", True)]
