@@ -36,6 +36,7 @@ from adaptive_eagle.draft_head import Eagle3DraftHead
 from adaptive_eagle.drafting import HeadFeed, draft_tree
 from adaptive_eagle.engine_config import EngineConfig
 from adaptive_eagle.lookup import suffix_match_continuation
+from adaptive_eagle.prefix_cache import CachedBlock, PrefixCache
 from adaptive_eagle.proposal import Proposal, accept_estimates, account, restrict
 from adaptive_eagle.request import GenerationRequest, GenerationResult, StepOutput
 from adaptive_eagle.stopping import Committed, StopCheck, TextStream, cut_at_stop
@@ -73,6 +74,10 @@ class SpeculativeEngine:
         self.calibrations = CalibrationStore(None if root == "" else Path(root) if root else cache_dir() / "calibration")
         self.suffix_index = (suffix_index or SuffixIndex(SuffixIndexConfig())) if self.config.suffix_drafting else None
         self._cache_kw = _cache_kwarg(target.model)
+        # prefill computes logits for its last row only where the model can (HF's logits_to_keep)
+        self._keep_kw = "logits_to_keep" in inspect.signature(target.model.forward).parameters
+        cfg = self.config
+        self.prefix_cache = PrefixCache(cfg.prefill_block, int(cfg.prefix_cache_mb * 2 ** 20))
         pinned = self.config.pinned_costs
         self.verify_cost = pinned.verify_cost() if pinned is not None else VerifyCost()
         # moving average of a step's time outside the verify forward (drafting, upkeep); fixed when pinned
@@ -244,14 +249,17 @@ class SpeculativeEngine:
 
     # ---- target ---------------------------------------------------------------------------------
     def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None,
-                        aux: bool = True, final: bool = False):
-        """(logits [Q, V], aux features [Q, n_aux * H] or None when aux=False, final-norm hidden [Q, H] or
-        None unless final=True: what capture stores so the trainer needs no target forward)."""
+                        aux: bool = True, final: bool = False, last_logits: bool = False):
+        """(logits [Q, V] (last_logits: only the last row's, [1, V], where the model allows), aux features
+        [Q, n_aux * H] or None when aux=False, final-norm hidden [Q, H] or None unless final=True: what capture
+        stores so the trainer needs no target forward)."""
         x = torch.tensor([ids], device=self.device)
         kw = {self._cache_kw: cache, "use_cache": True, "output_hidden_states": aux or final,
               "position_ids": positions[None].to(self.device)}
         if mask is not None:
             kw["attention_mask"] = mask.to(self.device)
+        if last_logits and self._keep_kw:
+            kw["logits_to_keep"] = 1
         out = self.target.model(input_ids=x, **kw)
         if not (aux or final):
             return out.logits[0], None, None
@@ -397,7 +405,7 @@ class SpeculativeEngine:
 
         cache, n = DynamicCache(), len(prompt_ids)
         need_aux = request.capture or binding.head is not None  # plain decoding without capture skips them
-        logits, aux, final = self._target_forward(prompt_ids, cache, torch.arange(n), None, need_aux, request.capture)
+        logits, aux, final = self._prefill_blocks(prompt_ids, cache, need_aux, request.capture)
         first = self._sample_row(logits[-1:], request.sampling, request.generator)
         feed = None
         if binding.head is not None:
@@ -409,6 +417,40 @@ class SpeculativeEngine:
         if request.capture:
             state.captured.append(torch.cat([aux, final], -1).float().cpu())  # [n, n_aux * H + H]
         return state, state.stops.commit([first])
+
+    def _prefill_blocks(self, ids: list[int], cache, aux: bool, final: bool):
+        """The prompt through the target in blocks of prefill_block tokens at absolute positions, whole blocks
+        read from and kept in the prefix cache (prefix_cache.py: exact by construction). Returns the last
+        row's logits [1, V] and, when asked, the aux features and final hidden states of every prompt row."""
+        block, pc, n = self.config.prefill_block, self.prefix_cache, len(ids)
+        keys = pc.keys(ids) if pc.max_bytes else []
+        hit = pc.lookup(keys[: (n - 1) // block], aux, final) if keys else []  # the last token is always computed
+        start = len(hit) * block
+        if hit:
+            for i in range(len(hit[0].keys)):
+                cache.update(torch.cat([b.keys[i] for b in hit], -2), torch.cat([b.values[i] for b in hit], -2), i)
+        pc.counts.lookups += 1
+        pc.counts.hits += bool(hit)
+        pc.counts.hit_tokens += start
+        pc.counts.miss_tokens += n - start
+        auxs = [b.aux for b in hit] if aux else []
+        finals = [b.final for b in hit] if final else []
+        logits = None
+        while start < n:
+            stop = min(start + block, n)
+            logits, a, f = self._target_forward(ids[start:stop], cache, torch.arange(start, stop), None, aux, final,
+                                                last_logits=True)
+            if aux:
+                auxs.append(a)
+            if final:
+                finals.append(f)
+            if stop - start == block and keys:
+                pc.store(keys[start // block], CachedBlock(
+                    tuple(layer.keys[..., start:stop, :].clone() for layer in cache.layers),
+                    tuple(layer.values[..., start:stop, :].clone() for layer in cache.layers),
+                    a.clone() if a is not None else None, f.clone() if f is not None else None))
+            start = stop
+        return logits[-1:], (torch.cat(auxs) if aux else None), (torch.cat(finals) if final else None)
 
     def _verify(self, state: DecodeState, tree: DraftTree) -> Verified:
         """Verify: the root and the whole tree in one target forward, then the accepted path."""

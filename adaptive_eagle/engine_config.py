@@ -32,8 +32,17 @@ class EngineConfig:
     # where acceptance calibrations persist per (head version, target, compute mode); None: the
     # cache dir's calibration/; "" disables persistence
     calibration_dir: str | None = None
+    # prompts are prefilled in blocks of this many tokens at absolute positions, and whole blocks are kept
+    # across requests (prefix_cache.py) up to prefix_cache_mb of tensors (0: none kept): a session's later
+    # turn prefills only its new tokens, with the bits a fresh prefill computes
+    prefill_block: int = 256
+    prefix_cache_mb: float = 512.0
 
     def __post_init__(self) -> None:
+        if self.prefill_block < 1:
+            raise ValueError(f"prefill_block must be >= 1 token, got {self.prefill_block}")
+        if not self.prefix_cache_mb >= 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
         if self.depth < 1 or self.topk < 1 or self.num_draft_tokens < 1:
             raise ValueError("depth, topk and num_draft_tokens must be >= 1")
         if self.lookup_max_tokens < 0 or self.lookup_min_ngram < 1:

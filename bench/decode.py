@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import statistics
 import sys
@@ -84,39 +85,61 @@ def engine_config(**kw) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in kw.items() if k in known})
 
 
-def hf_generate(target, ids, max_new, lookup: int | None) -> list[int]:
+def hf_generate(target, ids, max_new, lookup: int | None) -> tuple[list[int], float]:
     """HF generate() as a user runs it: the kernels at the row counts it calls them with (raw_rows), not padded
     to the row counts exactness needs (cpu_linear.py), so the baseline is not slowed by our exactness."""
     x = torch.tensor([ids], device=target.device)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    clock = _FirstToken()
     with raw_rows():
         out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                                    pad_token_id=target.tokenizer.eos_token_id, **kw)
-    return out[0, len(ids):].tolist()
+                                    pad_token_id=target.tokenizer.eos_token_id, streamer=clock, **kw)
+    return out[0, len(ids):].tolist(), clock.first if clock.first is not None else time.perf_counter() - clock.t0
 
 
 @dataclass
 class Row:
-    """One method in one compute mode; run(ids, max_new) -> (tokens, accept length or None)."""
+    """One method in one compute mode; run(ids, max_new) -> (tokens, accept length or None, seconds to the first
+    token)."""
 
     name: str
     mode: str
-    run: Callable[[list[int], int], tuple[list[int], float | None]]
+    run: Callable[[list[int], int], tuple[list[int], float | None, float]]
     plain: bool = False  # a non-speculative row: a baseline candidate
     speculative: bool = False  # an engine row with drafting (counted in the headline mismatches)
     tokens: int = 0
     seconds: float = 0.0
     accept: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)  # per request: seconds to the first token (the prefill)
+    tpot: list[float] = field(default_factory=list)  # per request: seconds per output token after the first
     mismatch_same: int = 0
     mismatch_exact: int | None = None
 
 
 def _engine_run(engine: SpeculativeEngine):
     def run(ids, max_new):
-        res = engine.generate(ids, SamplingParams(max_tokens=max_new))
-        return res.token_ids, res.accept_length_mean
+        t0, first, res = time.perf_counter(), None, None
+        for toks, res in engine.stream(ids, SamplingParams(max_tokens=max_new)):
+            if toks and first is None:
+                first = time.perf_counter() - t0
+        return res.token_ids, res.accept_length_mean, first if first is not None else time.perf_counter() - t0
 
     return run
+
+
+class _FirstToken:
+    """A generate() streamer that notes when the first new token arrives (its first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.t0, self.puts, self.first = time.perf_counter(), 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter() - self.t0
+
+    def end(self) -> None:
+        pass
 
 
 def build_rows(workload: str, targets: dict, default_mode: str, head, version: str | None, tree: dict) -> list[Row]:
@@ -124,10 +147,10 @@ def build_rows(workload: str, targets: dict, default_mode: str, head, version: s
     quiet = dict(calibration_dir="")  # no persisted calibration: rows independent, runs repeatable
     rows = [Row(f"plain[{m}]", m, _engine_run(SpeculativeEngine(t, None, engine_config(
         prompt_lookup=False, suffix_drafting=False, **quiet))), plain=True) for m, t in targets.items()]
-    rows += [Row(f"hf-generate[{m}]", m, (lambda t: lambda ids, n: (hf_generate(t, ids, n, None), None))(t), plain=True)
-             for m, t in targets.items()]
+    rows += [Row(f"hf-generate[{m}]", m, (lambda t: lambda ids, n: _no_accept(hf_generate(t, ids, n, None)))(t),
+                 plain=True) for m, t in targets.items()]
     target = targets[default_mode]
-    rows.append(Row("hf-prompt-lookup", default_mode, lambda ids, n: (hf_generate(target, ids, n, 10), None)))
+    rows.append(Row("hf-prompt-lookup", default_mode, lambda ids, n: _no_accept(hf_generate(target, ids, n, 10))))
 
     def spec(name, **kw):
         engine = SpeculativeEngine(target, head, engine_config(**{**tree, **quiet, **kw}), head_version=version)
@@ -140,6 +163,18 @@ def build_rows(workload: str, targets: dict, default_mode: str, head, version: s
     if workload not in ("agent", "sessions"):
         rows.append(spec(f"{DEFAULT_ROW}-fixed", cost_aware=False))
     return rows
+
+
+def _no_accept(out: tuple[list[int], float]) -> tuple[list[int], None, float]:
+    return out[0], None, out[1]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank), 0.0 when empty."""
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def _differs(toks: list[int], ref: list[int]) -> bool:
@@ -157,9 +192,13 @@ def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, 
         outputs: dict[str, list[int]] = {}
         for row in rows:
             t0 = time.perf_counter()
-            toks, accept = row.run(ids, max_new)
-            row.seconds += time.perf_counter() - t0
+            toks, accept, ttft = row.run(ids, max_new)
+            wall = time.perf_counter() - t0
+            row.seconds += wall
             row.tokens += len(toks)
+            row.ttft.append(ttft)
+            if len(toks) > 1:
+                row.tpot.append((wall - ttft) / (len(toks) - 1))
             outputs[row.name] = toks
             if accept is not None:
                 row.accept.append(accept)
@@ -170,22 +209,36 @@ def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, 
         print(f"  [{name}] prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
     tps = {r.name: r.tokens / r.seconds if r.seconds else 0.0 for r in rows}
     baseline = max((r for r in rows if r.plain), key=lambda r: tps[r.name]).name
+    # the fastest plain decoding by each phase: the lowest median time per output token, and to the first token
+    plain_rows = [r for r in rows if r.plain]
+    tpot_base = min(plain_rows, key=lambda r: statistics.median(r.tpot) if r.tpot else math.inf)
+    ttft_base = min(plain_rows, key=lambda r: statistics.median(r.ttft))
     table = {}
     for r in rows:
+        tpot50 = statistics.median(r.tpot) if r.tpot else math.nan
         table[r.name] = {"mode": r.mode, "tokens_per_s": round(tps[r.name], 2),
                          "speedup_vs_plain": round(tps[r.name] / max(1e-9, tps[baseline]), 3),
+                         "ttft_p50_s": round(statistics.median(r.ttft), 4), "ttft_p95_s": round(_pct(r.ttft, 0.95), 4),
+                         "tpot_p50_ms": round(tpot50 * 1e3, 2), "tpot_p95_ms": round(_pct(r.tpot, 0.95) * 1e3, 2),
+                         "tpot_speedup_vs_plain": round(statistics.median(tpot_base.tpot) / tpot50, 3)
+                         if r.tpot and tpot_base.tpot else None,
+                         "ttft_ratio_vs_plain": round(statistics.median(r.ttft) / statistics.median(ttft_base.ttft), 3),
                          "accept_length_mean": round(statistics.mean(r.accept), 3) if r.accept else 1.0,
                          "mismatches": r.mismatch_same, "mismatches_vs_exact": r.mismatch_exact}
     print(f"\n{name}: {len(prompts)} prompts, {max_new} new tokens each; baseline = {baseline} "
-          f"(the fastest plain decoding); mismatches vs plain greedy in the same mode / in {exact_mode}")
-    print(f"{'method':32s} {'tok/s':>7s} {'x base':>7s} {'accept':>7s} {'mism':>5s} {'vs exact':>8s}")
+          f"(the fastest plain decoding end to end; {tpot_base.name} per output token, {ttft_base.name} to the "
+          f"first); mismatches vs plain greedy in the same mode / in {exact_mode}")
+    print(f"{'method':32s} {'tok/s':>7s} {'x base':>7s} {'TTFT50':>7s} {'TTFT95':>7s} {'TPOT50':>7s} {'TPOT95':>7s} "
+          f"{'x TPOT':>7s} {'accept':>7s} {'mism':>5s} {'vs exact':>8s}")
     for n, r in table.items():
         vs_exact = "-" if r["mismatches_vs_exact"] is None else str(r["mismatches_vs_exact"])
-        print(f"{n:32s} {r['tokens_per_s']:7.2f} {r['speedup_vs_plain']:7.2f} {r['accept_length_mean']:7.2f} "
-              f"{r['mismatches']:5d} {vs_exact:>8s}")
+        print(f"{n:32s} {r['tokens_per_s']:7.2f} {r['speedup_vs_plain']:7.2f} {r['ttft_p50_s']:7.3f} "
+              f"{r['ttft_p95_s']:7.3f} {r['tpot_p50_ms']:7.1f} {r['tpot_p95_ms']:7.1f} "
+              f"{r['tpot_speedup_vs_plain'] or 0:7.2f} {r['accept_length_mean']:7.2f} {r['mismatches']:5d} {vs_exact:>8s}")
     context = {"min": min(lengths), "median": int(statistics.median(lengths)), "max": max(lengths)}
     print(f"prompt tokens: min {context['min']}, median {context['median']}, max {context['max']}")
-    return {"baseline": baseline, "prompts": len(prompts), "context_tokens": context, "rows": table}
+    return {"baseline": baseline, "tpot_baseline": tpot_base.name, "ttft_baseline": ttft_base.name,
+            "prompts": len(prompts), "context_tokens": context, "rows": table}
 
 
 def head_install(target, loaded, tree: dict) -> tuple[float, str]:
@@ -205,7 +258,8 @@ def head_install(target, loaded, tree: dict) -> tuple[float, str]:
     return round((time.perf_counter() - t0) * 1e3, 2), "engine construction with the head (no set_head here)"
 
 
-def session_prompts(conversations, n: int, max_new: int, plain: SpeculativeEngine) -> list[list[dict]]:
+def session_prompts(conversations, n: int, max_new: int, plain: SpeculativeEngine,
+                    turns_out: list | None = None) -> list[list[dict]]:
     """`n` requests of long held-out sessions (bench/sessions.py), spread evenly over every turn sent: the
     sessions are replayed turn by turn with `plain` greedy decoding (the answers every exact row gives too),
     each request carrying the whole history, up to the target's context less `max_new` tokens."""
@@ -220,14 +274,56 @@ def session_prompts(conversations, n: int, max_new: int, plain: SpeculativeEngin
             return plain.generate(messages, SamplingParams(max_tokens=max_new)).text
 
         sent += replay(sess, generate, fits=lambda m: len(plain.encode(m)) <= context)
+    if turns_out is not None:  # every turn sent, in order: prefix_cache_prefill finds each pick's previous turn
+        turns_out.extend(sent)
     picks = [round(i * (len(sent) - 1) / max(1, n - 1)) for i in range(min(n, len(sent)))]
     return [sent[i] for i in sorted(set(picks))]
 
 
+def prefix_cache_prefill(target, turns: list, picks: list, encode) -> dict:
+    """A session's later turn, prefilled cold (empty prefix cache) and warm (its previous turn prefilled first,
+    as a serving engine would have), next to HF's one-forward prefill of it (raw kernels, the last row's logits
+    only): medians over every picked request that has a previous turn in its session."""
+    from transformers import DynamicCache
+
+    engine = SpeculativeEngine(target, None, engine_config(prompt_lookup=False, suffix_drafting=False,
+                                                           calibration_dir=""))
+    pc = engine.prefix_cache
+    cold, warm, hf, reused = [], [], [], []
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for cur in picks:
+        i = next(k for k, t in enumerate(turns) if t is cur)
+        prev = turns[i - 1] if i > 0 and cur[: len(turns[i - 1])] == turns[i - 1] else None
+        if prev is None:
+            continue
+        ids, before = encode(cur), encode(prev)
+        pc.clear()
+        cold.append(timed(lambda: engine._prefill_blocks(ids, DynamicCache(), True, False)))
+        pc.clear()
+        engine._prefill_blocks(before, DynamicCache(), True, False)
+        hits = pc.counts.hit_tokens
+        warm.append(timed(lambda: engine._prefill_blocks(ids, DynamicCache(), True, False)))
+        reused.append((pc.counts.hit_tokens - hits) / len(ids))
+        with raw_rows():
+            x = torch.tensor([ids], device=target.device)
+            hf.append(timed(lambda: target.model(input_ids=x, use_cache=True, logits_to_keep=1)))
+    if not cold:
+        return {"requests": 0}
+    med = statistics.median
+    return {"requests": len(cold), "cold_p50_s": round(med(cold), 3), "warm_p50_s": round(med(warm), 3),
+            "hf_prefill_p50_s": round(med(hf), 3), "warm_vs_cold": round(med(warm) / med(cold), 3),
+            "cold_vs_hf": round(med(cold) / med(hf), 3), "reused_fraction_p50": round(med(reused), 3)}
+
+
 def load_prompts(workload: str, conversations, n: int, max_new: int = 128,
-                 plain: SpeculativeEngine | None = None) -> list | None:
+                 plain: SpeculativeEngine | None = None, turns_out: list | None = None) -> list | None:
     if workload == "sessions":
-        return session_prompts(conversations, n, max_new, plain)
+        return session_prompts(conversations, n, max_new, plain, turns_out)
     if workload == "english":
         return english_prompts(conversations, n)
     if workload == "repetitive":
@@ -238,6 +334,14 @@ def load_prompts(workload: str, conversations, n: int, max_new: int = 128,
         print(f"agent workload skipped: bench/workloads.py has no agent_prompts yet ({e})", file=sys.stderr)
         return None
     return list(agent_prompts(D.select(conversations, domains=["english"], split="heldout"), n))
+
+
+def _tpot_ratio(table: dict | None, row: str, over: str) -> float | None:
+    """How many times faster `row` decodes than `over` per output token (medians)."""
+    if table is None:
+        return None
+    rows = table["rows"]
+    return round(rows[over]["tpot_p50_ms"] / max(1e-9, rows[row]["tpot_p50_ms"]), 3)
 
 
 def _ratio(table: dict | None, row: str, over: str) -> float | None:
@@ -280,15 +384,19 @@ def main() -> None:
     conversations = list(D.load_sharegpt())  # parsed once for every workload
     encoder = SpeculativeEngine(target, None, engine_config(prompt_lookup=False, suffix_drafting=False,
                                                             cost_aware=False, calibration_dir=""))
-    results = {}
+    results, prefill = {}, None
     with torch.inference_mode():
         for w in workloads:
-            prompts = load_prompts(w, conversations, args.prompts, args.max_new, encoder)
+            turns: list = []
+            prompts = load_prompts(w, conversations, args.prompts, args.max_new, encoder, turns)
             if not prompts:
                 results[w] = None
                 continue
             rows = build_rows(w, targets, default_mode, head, loaded.meta.version, tree)
             results[w] = run_set(w, prompts, rows, encoder.encode, exact_mode, args.max_new)
+            if w == "sessions":
+                prefill = prefix_cache_prefill(target, turns, prompts, encoder.encode)
+                print(f"sessions prefill (prefix cache): {json.dumps(prefill)}")
     eng, rep, agent, sessions = (results.get(w) for w in WORKLOADS)
     spec = [r for t in results.values() if t for n, r in t["rows"].items()
             if n in ("chain", "tree", DEFAULT_ROW, f"{DEFAULT_ROW}-fixed")]
@@ -305,6 +413,13 @@ def main() -> None:
         "sessions_speedup_vs_plain": sessions and sessions["rows"][DEFAULT_ROW]["speedup_vs_plain"],
         "sessions_speedup_vs_prompt_lookup": _ratio(sessions, DEFAULT_ROW, "hf-prompt-lookup"),
         "sessions_context_tokens": sessions and sessions.get("context_tokens"),
+        "tpot_speedup_vs_plain": eng and eng["rows"][DEFAULT_ROW]["tpot_speedup_vs_plain"],
+        "repetitive_tpot_speedup_vs_plain": rep and rep["rows"][DEFAULT_ROW]["tpot_speedup_vs_plain"],
+        "agent_tpot_speedup_vs_plain": agent and agent["rows"][DEFAULT_ROW]["tpot_speedup_vs_plain"],
+        "sessions_tpot_speedup_vs_plain": sessions and sessions["rows"][DEFAULT_ROW]["tpot_speedup_vs_plain"],
+        "sessions_tpot_speedup_vs_prompt_lookup": _tpot_ratio(sessions, DEFAULT_ROW, "hf-prompt-lookup"),
+        "sessions_ttft_ratio_vs_plain": sessions and sessions["rows"][DEFAULT_ROW]["ttft_ratio_vs_plain"],
+        "sessions_prefill": prefill,
         "head_install_ms": install_ms, "head_install_measures": install_how,
         "compute": target.compute, "lossless": target.lossless, "compute_choice": target.compute_choice.reason,
         "forward_ms": target.compute_choice.table and {

@@ -312,7 +312,9 @@ class ReferenceBackend:
                 "registry": str(self.registry.root) if self.registry is not None else None,
                 "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings,
                 "canary": self._canary.to_json() if self._canary is not None else None,
-                "previous_head": None if self._previous is None else version_label(self._previous.version)}
+                "previous_head": None if self._previous is None else version_label(self._previous.version),
+                # cumulative counts, exported as ae_backend_events{event=...} (serving/metrics.py)
+                "counts": self.engine.prefix_cache.counts.as_dict(), "prefix_cache_bytes": self.engine.prefix_cache.nbytes}
 
 
 def _fits(engine: SpeculativeEngine, n_prompt: int, sampling) -> bool:

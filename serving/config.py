@@ -28,6 +28,10 @@ class EngineParams(BaseModel):
     prompt_lookup: bool = Field(True, description="merge suffix-match continuations from the request's context")
     suffix_drafting: bool = Field(True, description="merge continuations of recently served outputs")
     calibration_dir: Optional[str] = Field(None, description="acceptance calibrations (None: cache dir; '': off)")
+    prefill_block: int = Field(256, ge=1, description="prompts are prefilled in blocks of this many tokens at "
+                               "absolute positions; whole blocks are kept across requests (the prefix cache)")
+    prefix_cache_mb: float = Field(512.0, ge=0, description="the prefix cache's budget of target KV and features "
+                                   "per replica, MiB (0: off); least recently used blocks are evicted")
 
 
 class ServingConfig(BaseModel):

@@ -74,7 +74,7 @@ class SpecMetrics:
     backend: str = "reference"
     replica: str = ""
     elapsed_s: float = 0.0
-    tpot_s: float = 0.0  # wall seconds per output token
+    tpot_s: float = 0.0  # wall seconds per output token after the first (the decode phase; 0 with one token)
     tokens_per_s: float = 0.0
     captured: str = "no"  # "hidden" | "tokens" | "no" | "opted_out" | "dropped"
     domain: Optional[str] = None
@@ -82,6 +82,9 @@ class SpecMetrics:
     context_position: Optional[int] = None
     # per context bucket its verify steps started in: (bucket label, verify steps, accepted drafts)
     by_context: tuple[tuple[str, int, int], ...] = ()
+    ttft_s: float = 0.0  # wall seconds from the replica starting the request to its first token (the prefill)
+    # verify steps that verified no draft (the cost model found no draft worth its verify cost: a plain step)
+    plain_steps: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)

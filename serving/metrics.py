@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 ACCEPT_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 250, 500, 1000)
 CONTEXT_LABELS = bucket_labels(DEFAULT_EDGES)  # the only values of the `context` label
 CONTEXT_HELP = ("context bucket of the position each verify step's first draft predicts (prompt tokens + 1 + "
@@ -75,7 +76,7 @@ class BackendCollector:
         for s in statuses:
             info = s.info or {}
             if "counts" not in info and "down" not in info:
-                continue  # a backend without counts of its own (the reference engine)
+                continue  # a backend without counts of its own
             down = info.get("down") or None
             if down and not (last.get(s.replica) or ({}, None, False))[1]:
                 log.error("replica %s: its %s backend is down: %s", s.replica, info.get("backend", "?"), down)
@@ -126,12 +127,18 @@ class GatewayMetrics:
                                        "head version and " + CONTEXT_HELP + "; accept length of a bucket = 1 + "
                                        "ae_accepted_drafts / ae_verify_steps", ["head_version", "context"],
                                        registry=r)
+        self.plain_steps = Counter("ae_plain_steps", "Verify steps that verified no draft, by head version: the cost "
+                                   "model found no draft worth its verify cost, so the step decoded plainly (of "
+                                   "ae_verify_steps_total)", ["head_version"], registry=r)
         self.context_refused = Counter("ae_context_labels_refused", "by_context entries of a response whose bucket "
                                        "is not one of the gateway's context labels (a replica on other edges)",
                                        registry=r)
         self._context_heads: set[str] = set()
-        self.tpot = Histogram("ae_time_per_output_token_seconds", "Per-request wall time per output token",
-                              ["head_version"], buckets=TPOT_BUCKETS, registry=r)
+        self.tpot = Histogram("ae_time_per_output_token_seconds", "Per-request wall time per output token after "
+                              "the first (the decode phase)", ["head_version"], buckets=TPOT_BUCKETS, registry=r)
+        self.ttft = Histogram("ae_time_to_first_token_seconds", "Per-request wall time from the replica starting it "
+                              "to its first token (the prefill; a prefix-cache hit shortens it)", ["head_version"],
+                              buckets=TTFT_BUCKETS, registry=r)
         self.tokens_per_s = Histogram("ae_tokens_per_second", "Per-request output tokens per second",
                                       ["head_version"], buckets=RATE_BUCKETS, registry=r)
         self.completion_tokens = Counter("ae_completion_tokens", "Output tokens", ["head_version"], registry=r)
@@ -177,8 +184,11 @@ class GatewayMetrics:
         v = spec.head_version
         self.accept_length.labels(v, spec.domain or "none").observe(spec.accept_length)
         self._observe_context(v, spec.by_context)
+        self.plain_steps.labels(v).inc(spec.plain_steps)
         if tokens:
-            self.tpot.labels(v).observe(spec.tpot_s)
+            self.ttft.labels(v).observe(spec.ttft_s)
+            if tokens > 1:
+                self.tpot.labels(v).observe(spec.tpot_s)
             self.tokens_per_s.labels(v).observe(spec.tokens_per_s)
             self.completion_tokens.labels(v).inc(tokens)
 

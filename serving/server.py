@@ -24,7 +24,9 @@ import gc
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Optional
 
 from adaptive_eagle.binding import SwapResult
@@ -61,14 +63,34 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def spec_metrics(result: BackendResult, backend: str, replica: str, captured: str, domain) -> SpecMetrics:
+@dataclass
+class _Clock:
+    """When the replica started a request's backend stream, saw its first token and its result (perf_counter)."""
+
+    start: float
+    first: Optional[float] = None
+    end: Optional[float] = None
+
+    def split(self, n: int, elapsed_s: float) -> tuple[float, float]:
+        """(time to first token, time per output token after the first), seconds; the backend's elapsed time
+        stands in for a clock that saw no token."""
+        end = self.end if self.end is not None else self.start + elapsed_s
+        first = self.first if self.first is not None else end
+        ttft = first - self.start
+        return ttft, ((end - first) / (n - 1) if n > 1 else 0.0)
+
+
+def spec_metrics(result: BackendResult, backend: str, replica: str, captured: str, domain,
+                 clock: _Clock) -> SpecMetrics:
     steps = result.trace.steps
     n = len(result.token_ids)
+    ttft, tpot = clock.split(n, result.elapsed_s)
     return SpecMetrics(
         head_version=version_label(result.trace.head_version), accept_length=round(result.trace.accept_length_mean, 4),
         verify_steps=len(steps), draft_tokens=sum(s.tree_size for s in steps),
-        accepted_drafts=sum(s.accept_length for s in steps), backend=backend, replica=replica,
-        elapsed_s=round(result.elapsed_s, 6), tpot_s=round(result.elapsed_s / n, 6) if n else 0.0,
+        accepted_drafts=sum(s.accept_length for s in steps), plain_steps=sum(s.tree_size == 0 for s in steps),
+        backend=backend, replica=replica,
+        elapsed_s=round(result.elapsed_s, 6), tpot_s=round(tpot, 6), ttft_s=round(ttft, 6),
         tokens_per_s=round(n / result.elapsed_s, 3) if result.elapsed_s > 0 else 0.0, captured=captured,
         domain=domain, **context_fields(result.trace))
 
@@ -120,6 +142,7 @@ class DecodeServer:
         yield Started(request.request_id, len(prompt_ids), self.name)
         text: Optional[TextStream] = None  # made for a backend whose chunks carry tokens only
         result = None
+        clock = _Clock(time.perf_counter())
         items = self.backend.stream(request, prompt_ids, self.sampler.wants_hidden(request.capture))
         try:
             for item in items:
@@ -127,12 +150,14 @@ class DecodeServer:
                     self._count("cancelled")
                     return
                 if isinstance(item, TokenChunk):
+                    if clock.first is None and item.token_ids:
+                        clock.first = time.perf_counter()
                     if item.text is None:
                         text = text or TextStream(self.backend.decode, request.stop)
                     if delta := (item.text if item.text is not None else text.push(item.token_ids)):
                         yield Delta(delta, item.token_ids)
                 elif isinstance(item, BackendResult):
-                    result = item
+                    result, clock.end = item, time.perf_counter()
         except (GenerationError, RequestError) as e:
             self._count("refused")
             yield Refused(400, str(e))
@@ -144,17 +169,17 @@ class DecodeServer:
             return
         finally:
             items.close()
-        yield from self._finish(request, prompt_ids, text, result)
+        yield from self._finish(request, prompt_ids, text, result, clock)
 
-    def _finish(self, request: DecodeRequest, prompt_ids, text: Optional[TextStream], result: BackendResult
-                ) -> Iterator[Event]:
+    def _finish(self, request: DecodeRequest, prompt_ids, text: Optional[TextStream], result: BackendResult,
+                clock: _Clock) -> Iterator[Event]:
         full = result.text  # the backend cut it, and its chunks carried the text
         if text is not None:
             full, rest = text.finish(result.token_ids)
             if rest:
                 yield Delta(rest)
         captured = self._capture(request, result)
-        spec = spec_metrics(result, self.backend.name, self.name, captured, request.domain)
+        spec = spec_metrics(result, self.backend.name, self.name, captured, request.domain, clock)
         self._count("served")
         yield Finished(request.request_id, full, result.finish_reason, len(prompt_ids), len(result.token_ids), spec)
 

@@ -178,3 +178,37 @@ def test_backend_counts_keep_their_last_answer_and_a_new_count_is_never_dropped(
     assert sample(text, "ae_backend_requests_lost_total", replica="a", reason="broken_streams") == 1.0
     assert sample(text, "ae_backend_events_total", replica="a", event="new_thing") == 4.0
     assert 'replica="ref"' not in "\n".join(line for line in text.splitlines() if line.startswith("ae_backend_"))
+
+
+# ---- time to first token, time per output token, the prefix cache --------------------------------------------
+def test_a_response_splits_its_prefill_from_its_decoding_and_the_prefix_cache_is_exported(stack):
+    """ttft_s is the replica's time to the first token, tpot_s the time per output token after it; a repeated
+    prompt prefills its whole blocks from the prefix cache, counted in the replica's status and /metrics."""
+    from dataclasses import replace as replace_config
+
+    from serving.backend import ReferenceBackend
+    from serving.messages import DecodeRequest, Finished
+    from serving.server import DecodeServer
+    from tests.serving.conftest import ENGINE
+
+    engine = stack.engine("v1", replace_config(ENGINE, prefill_block=4))
+    server = DecodeServer(ReferenceBackend(engine, stack.registry, 40), name="r0")
+    ask = dict(messages=({"role": "user", "content": "one two three four five six seven eight nine"},),
+               max_tokens=6)
+    first = server.generate(DecodeRequest(request_id="a", **ask))
+    again = server.generate(DecodeRequest(request_id="b", **ask))
+    for done in (first, again):
+        assert isinstance(done, Finished) and done.completion_tokens > 1
+        spec = done.spec
+        assert spec.ttft_s > 0 and spec.tpot_s > 0
+        assert spec.ttft_s + spec.tpot_s * (done.completion_tokens - 1) <= spec.elapsed_s * 1.5 + 0.05
+    counts = server.status().info["counts"]
+    assert counts["prefix_cache_hits"] == 1 and counts["prefix_cache_hit_tokens"] >= 4
+    m = GatewayMetrics()
+    m.observe(again.spec, again.completion_tokens)
+    m.refresh([server.status()], 0, 0, 0.0)
+    text = m.render().decode()
+    assert sample(text, "ae_time_to_first_token_seconds_count", head_version="v1") == 1.0
+    assert sample(text, "ae_plain_steps_total", head_version="v1") == again.spec.plain_steps
+    assert sample(text, "ae_backend_events_total", replica="r0", event="prefix_cache_hit_tokens") == \
+        counts["prefix_cache_hit_tokens"]
