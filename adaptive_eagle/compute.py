@@ -500,8 +500,9 @@ def measure_table(make_model: Callable[[str], torch.nn.Module], modes: Sequence[
     rows = time_forwards(models, PROBE_SIZES, PROBE_PREFIX, reps)
     del models
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return ComputeTable(machine, fingerprint, torch.__version__, rows, now, busy,
-                        {m: c.rows_stable for m, c in checks.items()}, {m: c.verify_logit_diff for m, c in checks.items()})
+    stable = {m: c.rows_stable for m, c in checks.items()}
+    return ComputeTable(machine, fingerprint, torch.__version__, rows, now, busy, stable,
+                        {m: c.verify_logit_diff for m, c in checks.items()})
 
 
 def read_table(path: Path, machine: str, fingerprint: str, modes: Sequence[str]) -> ComputeTable:

@@ -234,7 +234,8 @@ def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, 
         vs_exact = "-" if r["mismatches_vs_exact"] is None else str(r["mismatches_vs_exact"])
         print(f"{n:32s} {r['tokens_per_s']:7.2f} {r['speedup_vs_plain']:7.2f} {r['ttft_p50_s']:7.3f} "
               f"{r['ttft_p95_s']:7.3f} {r['tpot_p50_ms']:7.1f} {r['tpot_p95_ms']:7.1f} "
-              f"{r['tpot_speedup_vs_plain'] or 0:7.2f} {r['accept_length_mean']:7.2f} {r['mismatches']:5d} {vs_exact:>8s}")
+              f"{r['tpot_speedup_vs_plain'] or 0:7.2f} {r['accept_length_mean']:7.2f} {r['mismatches']:5d} "
+              f"{vs_exact:>8s}")
     context = {"min": min(lengths), "median": int(statistics.median(lengths)), "max": max(lengths)}
     print(f"prompt tokens: min {context['min']}, median {context['median']}, max {context['max']}")
     return {"baseline": baseline, "tpot_baseline": tpot_base.name, "ttft_baseline": ttft_base.name,

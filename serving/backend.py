@@ -314,7 +314,8 @@ class ReferenceBackend:
                 "canary": self._canary.to_json() if self._canary is not None else None,
                 "previous_head": None if self._previous is None else version_label(self._previous.version),
                 # cumulative counts, exported as ae_backend_events{event=...} (serving/metrics.py)
-                "counts": self.engine.prefix_cache.counts.as_dict(), "prefix_cache_bytes": self.engine.prefix_cache.nbytes}
+                "counts": self.engine.prefix_cache.counts.as_dict(),
+                "prefix_cache_bytes": self.engine.prefix_cache.nbytes}
 
 
 def _fits(engine: SpeculativeEngine, n_prompt: int, sampling) -> bool:
