@@ -203,17 +203,22 @@ class StableLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, rows=stable"
 
 
-def stabilize_linears(module: nn.Module) -> int:
-    """Replace every fp32 nn.Linear under `module` with a StableLinear (in place; the weights are shared, tied
-    ones stay tied); returns how many. For fp32 targets on CPU, whose GEMM is not row-stable (module doc)."""
+def _replace_linears(module: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every nn.Linear under `module` with make(linear), in place; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, StableLinear(child))
+            setattr(module, name, make(child))
             count += 1
         else:
-            count += stabilize_linears(child)
+            count += _replace_linears(child, make)
     return count
+
+
+def stabilize_linears(module: nn.Module) -> int:
+    """Replace every fp32 nn.Linear under `module` with a StableLinear (in place; the weights are shared, tied
+    ones stay tied); returns how many. For fp32 targets on CPU, whose GEMM is not row-stable (module doc)."""
+    return _replace_linears(module, StableLinear)
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -221,11 +226,4 @@ def pack_linears(module: nn.Module) -> int:
     Tied weights stay intact for the other user (e.g. the input embedding keeps its own tensor)."""
     if not fbgemm_fp16_available():
         raise RuntimeError("this PyTorch build has no FBGEMM fp16 linear; load the target in bf16 or fp32")
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, Fp16PackedLinear(child))
-            count += 1
-        else:
-            count += pack_linears(child)
-    return count
+    return _replace_linears(module, Fp16PackedLinear)
