@@ -385,14 +385,16 @@ class DraftKVCache:
 
         def attend(q, k, v):
             self.append(k, v)
-            n_rep = q.shape[1] // k.shape[1]
-            keys = repeat_kv(self.keys[:, :, : self.length], n_rep)
-            values = repeat_kv(self.values[:, :, : self.length], n_rep)
+            keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
+            gqa = q.device.type == "cpu"  # SDPA reads the KV heads in place: no copy of the context per head
+            if not gqa:
+                n_rep = q.shape[1] // k.shape[1]
+                keys, values = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)
             m = mask
             if m is None:
                 t_new, total = q.shape[2], self.length
                 m = continuation_mask(t_new, total, q.dtype, q.device)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=m.to(q.dtype))
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=m.to(q.dtype), enable_gqa=gqa)
 
         return attend
 

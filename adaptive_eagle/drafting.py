@@ -63,9 +63,14 @@ class HeadFeed:
         self.tokens += tokens
         self.aux.append(aux)
 
-    def root(self) -> HeadRoot:
+    def root(self, chunk: int | None = None) -> HeadRoot:
+        """Feed what is pending (in head calls of at most `chunk` positions: a long prompt's attention mask
+        and activations stay the size of a prefill block) and return the newest position's output."""
         if self.tokens:
-            self.last = head_extend(self.head, self.cache, self.tokens, torch.cat(self.aux), self.start)
+            aux, step = torch.cat(self.aux), chunk or len(self.tokens)
+            for i in range(0, len(self.tokens), step):
+                self.last = head_extend(self.head, self.cache, self.tokens[i:i + step], aux[i:i + step],
+                                        self.start + i)
             self.tokens, self.aux = [], []
         return self.last
 

@@ -196,7 +196,7 @@ class SpeculativeEngine:
     def measure_verify_cost(self, prefix: int = 64, reps: int = 2) -> dict[int, float]:
         """Time target forwards of 1, 2, 4, ... tokens over a `prefix`-token cache (best of `reps`)
         and seed the verify-cost model with them; returns {tokens: ms}."""
-        from transformers import DynamicCache
+        from adaptive_eagle.kv_cache import GrowingCache
 
         cfg = self.config
         top = cfg.num_draft_tokens + 1
@@ -204,7 +204,7 @@ class SpeculativeEngine:
         vocab = self.target.config.vocab_size
         prefix = max(1, min(prefix, self.target.config.max_position_embeddings - top - 1))
         ids = [(7 * i + 3) % vocab for i in range(prefix + top)]
-        cache = DynamicCache()
+        cache = GrowingCache()
         self._target_forward(ids[:prefix], cache, torch.arange(prefix), None)
         for _ in range(2):  # warm up kernels and allocator at the largest size
             self._target_forward(ids[prefix:], cache, torch.arange(prefix, prefix + top), None)
@@ -270,13 +270,9 @@ class SpeculativeEngine:
     @staticmethod
     def _keep_cache(cache, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` (ascending) of every layer's keys and values (the accepted path)."""
-        if int(keep[-1]) == keep.numel() - 1:  # a prefix: slice, no copy
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[..., : keep.numel(), :], layer.values[..., : keep.numel(), :]
-            return
-        for layer in cache.layers:
-            layer.keys = layer.keys.index_select(-2, keep)
-            layer.values = layer.values.index_select(-2, keep)
+        from adaptive_eagle.kv_cache import keep_rows  # transformers is imported where a target is
+
+        keep_rows(cache, keep)
 
     # ---- proposals: EAGLE tree + model-free drafts ------------------------------------------------
     def _model_free(self, context: list[int], tenant: str) -> tuple[list[int], DraftTree | None]:
@@ -394,16 +390,17 @@ class SpeculativeEngine:
         yield from self._finish(state)
 
     def _prefill(self, request: GenerationRequest, text: bool) -> tuple[DecodeState, Committed]:
-        """The prompt through the target in one forward, its first token sampled, the head fed."""
+        """The prompt through the target (in blocks, _prefill_blocks), its first token sampled, the head fed the
+        prompt (in blocks of the same size)."""
         prompt_ids = self.encode(request.prompt)
         self.check_request(len(prompt_ids), request.sampling)
         binding = request.binding or self._binding  # this request drafts, calibrates and reports with this head
         if self._needs_costs(binding) and not self.verify_cost.points:
             self.measure_verify_cost()  # a head was installed into an engine that started without drafting
         t0 = time.perf_counter()
-        from transformers import DynamicCache
+        from adaptive_eagle.kv_cache import GrowingCache
 
-        cache, n = DynamicCache(), len(prompt_ids)
+        cache, n = GrowingCache(), len(prompt_ids)
         need_aux = request.capture or binding.head is not None  # plain decoding without capture skips them
         logits, aux, final = self._prefill_blocks(prompt_ids, cache, need_aux, request.capture)
         first = self._sample_row(logits[-1:], request.sampling, request.generator)
@@ -411,6 +408,7 @@ class SpeculativeEngine:
         if binding.head is not None:
             feed = HeadFeed.empty(binding.head, n + 64, self.device)
             feed.add(prompt_ids[1:] + [first], aux, 0)
+            feed.root(self.config.prefill_block)  # the head reads the prompt now: its cost is the prefill's
         stream = TextStream(self.detokenize, request.stop) if text or request.stop else None
         state = DecodeState(request, binding, prompt_ids, cache, need_aux, feed,
                             StopCheck(self.eos_ids, request.sampling.max_tokens, stream), t0, generated=[first])

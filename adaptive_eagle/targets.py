@@ -357,6 +357,12 @@ def build_model(path: Path, mode: str, device: torch.device) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model.to(device).eval()
     model.requires_grad_(False)
+    if device.type == "cpu":  # masked (tree) verifies read the KV heads in place (kv_cache.py); freed memory is
+        from adaptive_eagle.allocator import keep_freed_memory  # reused, not faulted in again (allocator.py)
+        from adaptive_eagle.kv_cache import use_gqa_attention
+
+        use_gqa_attention(model)
+        keep_freed_memory()
     if mode == "fp32+fp16-weights":
         from adaptive_eagle.cpu_linear import pack_linears
 
@@ -507,6 +513,9 @@ def tiny_target(seed: int = 0, dtype: torch.dtype = torch.float32, **kw) -> Targ
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_target_config(**kw)).to(dtype).eval()
     model.requires_grad_(False)
+    from adaptive_eagle.kv_cache import use_gqa_attention
+
+    use_gqa_attention(model)  # the attention the engine's CPU targets run (build_model)
     n = model.config.num_hidden_layers
     digest = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     digest.update(str(seed).encode())

@@ -315,7 +315,8 @@ class ReferenceBackend:
                 "previous_head": None if self._previous is None else version_label(self._previous.version),
                 # cumulative counts, exported as ae_backend_events{event=...} (serving/metrics.py)
                 "counts": self.engine.prefix_cache.counts.as_dict(),
-                "prefix_cache_bytes": self.engine.prefix_cache.nbytes}
+                "prefix_cache_bytes": self.engine.prefix_cache.nbytes,
+                "allocator": keep_freed_memory() if t.device.type == "cpu" else None}
 
 
 def _fits(engine: SpeculativeEngine, n_prompt: int, sampling) -> bool:
