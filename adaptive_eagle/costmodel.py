@@ -23,34 +23,62 @@ import torch
 
 @dataclass
 class VerifyCost:
-    """Milliseconds of one target forward over q tokens: piecewise linear between measured points,
-    each point an exponential moving average of the forwards seen at that q."""
+    """Milliseconds of one target forward over q tokens at a context of `ctx` cached tokens.
 
-    points: dict[int, float] = field(default_factory=dict)  # q -> ms
+    points: q -> ms at the reference context `ref` (piecewise linear in q between points), each an exponential
+    moving average of the forwards seen at that q, brought to the reference context by the slope.
+    slope: q -> ms per cached token (piecewise linear in q likewise): attention reads the whole context for every
+    query row, so a 17-token verify that costs 2.7x a 1-token forward at 64 cached tokens costs 3.5x at 2,000
+    (SmolLM2, 2-core EPYC). Measured at two contexts when the engine starts (engine.measure_verify_cost); without
+    it (pinned costs, a GPU far from saturation) the cost does not depend on the context."""
+
+    points: dict[int, float] = field(default_factory=dict)  # q -> ms at ctx == ref
     decay: float = 0.9
+    slope: dict[int, float] = field(default_factory=dict)  # q -> ms per cached token
+    ref: int = 0
 
-    def observe(self, q: int, ms: float) -> None:
+    def observe(self, q: int, ms: float, ctx: int | None = None) -> None:
+        if ctx is not None:
+            ms -= self._slope(q) * (ctx - self.ref)
         old = self.points.get(q)
         self.points[q] = ms if old is None else self.decay * old + (1 - self.decay) * ms
 
-    def __call__(self, q: int) -> float:
-        if not self.points:
-            return float(q)  # no measurement: a cost proportional to size
-        qs = sorted(self.points)
-        if q in self.points:
-            return self.points[q]
-        if q <= qs[0]:
-            return self.points[qs[0]]
-        if q >= qs[-1]:  # extrapolate along the last segment (or proportionally from one point)
-            if len(qs) == 1:
-                return self.points[qs[0]] * q / qs[0]
-            a, b = qs[-2], qs[-1]
-            slope = max(0.0, (self.points[b] - self.points[a]) / (b - a))
-            return self.points[b] + slope * (q - b)
-        i = bisect.bisect_left(qs, q)
-        a, b = qs[i - 1], qs[i]
-        w = (q - a) / (b - a)
-        return (1 - w) * self.points[a] + w * self.points[b]
+    def __call__(self, q: int, ctx: int | None = None) -> float:
+        base = _piecewise(self.points, q, float(q))  # no measurement: a cost proportional to size
+        if ctx is None or not self.slope:
+            return base
+        return max(1e-3, base + self._slope(q) * (ctx - self.ref))
+
+    def _slope(self, q: int) -> float:
+        return max(0.0, _piecewise(self.slope, q, 0.0, extrapolate=False)) if self.slope else 0.0
+
+    def at(self, ctx: int):
+        """This cost as a function of q alone, at a context of `ctx` cached tokens."""
+        return lambda q: self(q, ctx)
+
+
+def _piecewise(points: dict[int, float], q: int, empty: float, extrapolate: bool = True) -> float:
+    """points interpolated linearly at q; beyond the last point along the last segment (or proportionally from a
+    single point) when `extrapolate`, else the last point's value."""
+    if not points:
+        return empty
+    if q in points:
+        return points[q]
+    qs = sorted(points)
+    if q <= qs[0]:
+        return points[qs[0]]
+    if q >= qs[-1]:
+        if not extrapolate:
+            return points[qs[-1]]
+        if len(qs) == 1:
+            return points[qs[0]] * q / qs[0]
+        a, b = qs[-2], qs[-1]
+        slope = max(0.0, (points[b] - points[a]) / (b - a))
+        return points[b] + slope * (q - b)
+    i = bisect.bisect_left(qs, q)
+    a, b = qs[i - 1], qs[i]
+    w = (q - a) / (b - a)
+    return (1 - w) * points[a] + w * points[b]
 
 
 @dataclass(frozen=True)
@@ -249,7 +277,7 @@ class DraftGate:
 
     decay: float = 0.8
     probe_every: int = 8
-    probe_winner_every: int = 16
+    probe_winner_every: int = 16  # 0: never (the other side's rate is known without measuring it)
     draft_rate: float = math.nan  # tokens/ms of steps that drafted with the head
     plain_rate: float = math.nan  # tokens/ms of steps that did not
     skipped: int = 0  # steps in a row without the head (while it loses)
@@ -263,7 +291,7 @@ class DraftGate:
         if self.draft_rate >= plain:
             self.skipped = 0
             self.drafted += 1
-            if self.drafted >= self.probe_winner_every:
+            if self.probe_winner_every and self.drafted >= self.probe_winner_every:
                 self.drafted = 0
                 return False
             return True

@@ -52,6 +52,7 @@ __all__ = ["EngineConfig", "GenerationError", "GenerationRequest", "GenerationRe
 
 LOOKUP_SURE = 0.8  # calibrated acceptance of a model-free first token above which the head does not expand
 EMPTY_TREE = DraftTree(*(torch.zeros(0, dtype=torch.long) for _ in range(3)), torch.zeros(0), torch.zeros(0))
+PLAIN_STEP = Proposal(EMPTY_TREE)  # a step that drafts nothing: the target's next token alone
 
 
 class GenerationError(ValueError):
@@ -193,22 +194,35 @@ class SpeculativeEngine:
 
     # ---- cost model -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def measure_verify_cost(self, prefix: int = 64, reps: int = 2) -> dict[int, float]:
-        """Time target forwards of 1, 2, 4, ... tokens over a `prefix`-token cache (best of `reps`)
-        and seed the verify-cost model with them; returns {tokens: ms}."""
+    def measure_verify_cost(self, prefix: int = 64, long_prefix: int = 512, reps: int = 2) -> dict[int, float]:
+        """Time target forwards of 1, 2, 4, ... tokens over a `prefix`-token cache, and of a few sizes over a
+        `long_prefix`-token one (best of `reps`), and seed the verify-cost model: its points at `prefix`, its
+        per-cached-token slope from the difference (costmodel.VerifyCost). Returns {tokens: ms} at `prefix`."""
+        top = self.config.num_draft_tokens + 1
+        sizes = sorted({1, top} | {q for q in (2, 4, 8, 16, 32, 64) if q < top})
+        limit = self.target.config.max_position_embeddings - top - 1
+        prefix, long_prefix = max(1, min(prefix, limit)), min(long_prefix, limit)
+        short = self._time_forwards(prefix, sizes, reps)
+        cost = self.verify_cost
+        cost.points.update(short)
+        cost.ref = prefix
+        if long_prefix > prefix:
+            far = self._time_forwards(long_prefix, sorted({1, max(1, top // 2), top}), reps)
+            cost.slope = {q: max(0.0, (ms - cost(q)) / (long_prefix - prefix)) for q, ms in far.items()}
+        return short
+
+    def _time_forwards(self, prefix: int, sizes: list[int], reps: int) -> dict[int, float]:
+        """{q: best ms of `reps` target forwards of q tokens over a `prefix`-token cache}."""
         from adaptive_eagle.kv_cache import GrowingCache
 
-        cfg = self.config
-        top = cfg.num_draft_tokens + 1
-        sizes = sorted({1, top} | {q for q in (2, 4, 8, 16, 32, 64) if q < top})
-        vocab = self.target.config.vocab_size
-        prefix = max(1, min(prefix, self.target.config.max_position_embeddings - top - 1))
+        top, vocab = max(sizes), self.target.config.vocab_size
         ids = [(7 * i + 3) % vocab for i in range(prefix + top)]
         cache = GrowingCache()
-        self._target_forward(ids[:prefix], cache, torch.arange(prefix), None)
+        self._target_forward(ids[:prefix], cache, torch.arange(prefix), None, aux=False)
+        keep = torch.arange(prefix, device=self.device)
         for _ in range(2):  # warm up kernels and allocator at the largest size
             self._target_forward(ids[prefix:], cache, torch.arange(prefix, prefix + top), None)
-            self._keep_cache(cache, torch.arange(prefix, device=self.device))
+            self._keep_cache(cache, keep)
         measured = {}
         for q in sizes:
             best = float("inf")
@@ -217,13 +231,12 @@ class SpeculativeEngine:
                 self._target_forward(ids[prefix : prefix + q], cache, torch.arange(prefix, prefix + q), None)
                 self._sync()
                 best = min(best, (time.perf_counter() - t0) * 1e3)
-                self._keep_cache(cache, torch.arange(prefix, device=self.device))
+                self._keep_cache(cache, keep)
             measured[q] = best
-            self.verify_cost.points[q] = best
         return measured
 
-    def _timed(self, t_step: float, t_verify: float, t_done: float, q: int, committed: int, decay: float = 0.9
-               ) -> float:
+    def _timed(self, t_step: float, t_verify: float, t_done: float, q: int, committed: int, ctx: int,
+               decay: float = 0.9) -> float:
         """Follow this machine's costs: the verify forward of q tokens; everything else in the step
         (drafting, acceptance, cache upkeep, feeding the head) as the step's fixed cost; the rate.
         Returns the step's ms. With pinned costs nothing is timed: the step is charged the pinned ones."""
@@ -232,7 +245,7 @@ class SpeculativeEngine:
         else:
             now = self._clock()
             forward, step = (t_done - t_verify) * 1e3, (now - t_step) * 1e3
-            self.verify_cost.observe(q, forward)
+            self.verify_cost.observe(q, forward, ctx)
             fixed = step - forward
             self.overhead_ms = decay * self.overhead_ms + (1 - decay) * fixed if self.overhead_ms else fixed
         rate = committed / max(1e-6, step)
@@ -289,10 +302,17 @@ class SpeculativeEngine:
                 suffix = None
         return cont, suffix
 
+    def _speculates(self, state: DecodeState) -> bool:
+        """Whether this step drafts at all (always, unless cost-aware): the request's own gate compares the
+        committed tokens per ms of its speculative steps with its plain ones (before one was measured: a plain
+        forward's cost at this context), so a request that speculation slows decodes plainly, probing every
+        few steps (costmodel.DraftGate); such steps are counted as plain steps."""
+        return not self.config.cost_aware or state.plain_gate.allow(1.0 / self.verify_cost(1, state.root_pos))
+
     def _head_pays(self, state: DecodeState) -> bool:
         """Whether drafting with the head pays now (the binding's gate; always, unless cost-aware)."""
         return state.feed is None or not self.config.cost_aware or state.binding.gate.allow(
-            1.0 / (self.verify_cost(1) * 1.05))
+            1.0 / (self.verify_cost(1, state.root_pos) * 1.05))
 
     def _draft(self, state: DecodeState, head_ok: bool = True) -> Proposal:
         """Draft: this step's tree: the head's dynamic tree (unless `head_ok` is False: the gate found
@@ -311,8 +331,8 @@ class SpeculativeEngine:
         if feed is not None and not sure and head_ok:
             min_prob = cfg.min_path_prob
             if cfg.cost_aware:  # 0 until a rate has been measured
-                min_prob = max(min_prob, min_useful_prob(self.verify_cost, budget, self.rate))
-            tree = draft_tree(binding.head, feed.cache, feed.root(), root_pos, depth=cfg.depth, topk=cfg.topk,
+                min_prob = max(min_prob, min_useful_prob(self.verify_cost.at(root_pos), budget, self.rate))
+            tree = draft_tree(binding.head, feed.cache, feed.root(cfg.prefill_block), root_pos, depth=cfg.depth, topk=cfg.topk,
                               budget=alloc["eagle"], min_path_prob=min_prob)
             eagle_paths, drafted = frozenset(tree.token_paths), True
         else:
@@ -328,7 +348,7 @@ class SpeculativeEngine:
             tree = merge_trees(tree, part, budget) if tree.size else part
         p = Proposal(tree, eagle_paths, tuple(lookup), suffix_probs, drafted)
         if cfg.cost_aware and tree.size:
-            keep = best_prefix(accept_estimates(cal, p), tree.parents, tree.depths, self.verify_cost,
+            keep = best_prefix(accept_estimates(cal, p), tree.parents, tree.depths, self.verify_cost.at(root_pos),
                                self.overhead_ms)
             if len(keep) < tree.size:
                 p = restrict(p, subset_tree(tree, keep))
@@ -380,8 +400,9 @@ class SpeculativeEngine:
             if out.finish is not None:
                 break
             t_step = time.perf_counter()
-            head_ok = self._head_pays(state)
-            proposal = self._draft(state, head_ok)
+            speculate = self._speculates(state)
+            head_ok = speculate and self._head_pays(state)
+            proposal = self._draft(state, head_ok) if speculate else PLAIN_STEP
             verified = self._verify(state, proposal.tree)
             accepted = self._accept(state, proposal, verified)
             self._capture(state, proposal.tree, verified, accepted)
@@ -490,9 +511,11 @@ class SpeculativeEngine:
                       a: Accepted) -> None:
         """(Cost-aware) the step's timings into the cost model, and the gate's view of drafting."""
         if self.config.cost_aware:
-            step_ms = self._timed(t_step, v.t_verify, v.t_done, p.tree.size + 1, len(a.tokens))
-            if p.head_drafted or not head_ok:  # steps the gate decided (not copy runs, where lookup is sure)
-                state.binding.gate.observe(p.head_drafted, len(a.tokens), step_ms)
+            step_ms = self._timed(t_step, v.t_verify, v.t_done, p.tree.size + 1, len(a.tokens),
+                                  state.root_pos - len(a.tokens))  # the context the verify read
+            if p.head_drafted or (not head_ok and p is not PLAIN_STEP):  # steps the head gate decided (not copy
+                state.binding.gate.observe(p.head_drafted, len(a.tokens), step_ms)  # runs, where lookup is sure)
+            state.plain_gate.observe(p.tree.size > 0, len(a.tokens), step_ms)
 
     def _finish(self, state: DecodeState) -> Iterator[StepOutput | GenerationResult]:
         """The output indexed, the calibration saved, the text not shown yet, the result."""

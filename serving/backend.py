@@ -33,6 +33,7 @@ from typing import Iterator, Optional, Protocol, Union
 
 import torch
 
+from adaptive_eagle.allocator import keep_freed_memory
 from adaptive_eagle.binding import HeadBinding, SwapResult
 from adaptive_eagle.engine import GenerationError, SpeculativeEngine
 from adaptive_eagle.request import GenerationRequest, StepOutput

@@ -1,5 +1,6 @@
 """Cost-aware tree sizing: the verify-cost model, acceptance calibration and the kept-node choice."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -125,3 +126,16 @@ def test_pinned_costs_are_checked_and_interpolated_like_measured_ones():
                        (dict(verify_ms=((1, 1.0),), overhead_ms=-1.0), "overhead_ms")):
         with pytest.raises(ValueError, match=field):
             PinnedCosts(**bad)
+
+
+def test_verify_cost_follows_the_context_length():
+    """Attention reads every cached token per query row: the cost model grows with the context by a per-token
+    slope measured at two contexts, and brings observations at any context back to its reference one."""
+    c = VerifyCost({1: 10.0, 17: 30.0}, slope={1: 0.001, 17: 0.01}, ref=64)
+    assert c(17) == 30.0 and c(17, 64) == 30.0  # no context given, or the reference one
+    assert c(17, 2064) == pytest.approx(50.0) and c(1, 2064) == pytest.approx(12.0)
+    assert c(9, 2064) == pytest.approx(20.0 + 0.0055 * 2000)  # both interpolated in q
+    assert c.at(2064)(17) == c(17, 2064)
+    c.observe(17, 60.0, 2064)  # 40 ms at the reference context
+    assert c(17, 64) == pytest.approx(0.9 * 30.0 + 0.1 * 40.0)
+    assert VerifyCost({1: 10.0})(1, 5000) == 10.0  # no slope measured: the context does not matter

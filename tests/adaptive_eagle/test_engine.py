@@ -282,3 +282,28 @@ def test_stop_strings_and_max_tokens_end_the_output_where_plain_decoding_would()
     assert keywords.token_ids == res.token_ids == plain.generate(request).token_ids
     with pytest.raises(TypeError):
         engine.generate(request, SamplingParams())
+
+
+def test_a_request_that_speculation_slows_decodes_plainly_with_the_same_tokens():
+    """A head that is rarely right, trees cheap enough that the per-step pruning keeps them, but a verify that
+    costs more than the tokens it commits, and a head gate that keeps drafting: the request's own gate measures
+    that speculating loses and decodes plainly, probing every few steps; without it every step speculates. The
+    tokens are plain greedy's either way."""
+    target, head = tiny_setup(seed=4)
+    costs = PinnedCosts(verify_ms=((1, 10.0), (17, 12.0)), overhead_ms=5.0)
+    cfg = EngineConfig(depth=4, topk=4, num_draft_tokens=16, pinned_costs=costs, prompt_lookup=False,
+                       suffix_drafting=False, calibration_dir="")
+    prompt = [5, 9, 3, 17, 4, 11]
+    want = plain_greedy(target, prompt, 40)
+    steps = {}
+    for gated in (True, False):
+        engine = SpeculativeEngine(target, head, cfg)
+        engine._head_pays = lambda state: True  # the head's own gate (binding.gate) would also back off
+        if not gated:
+            engine._speculates = lambda state: True
+        res = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40))
+        assert res.token_ids == want and res.accept_length_mean < 1.5
+        steps[gated] = [s.tree_size for s in res.steps]
+    plain = sum(q == 0 for q in steps[True])
+    assert 0.6 * len(steps[True]) <= plain < len(steps[True])  # mostly plain, still probing
+    assert all(q > 0 for q in steps[False])
