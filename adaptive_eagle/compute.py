@@ -56,7 +56,8 @@ PROBE_SIZES = (1, 2, 4, 8, 16, 17)
 PROBE_PREFIX = 64
 # what limits PyTorch's, oneDNN's and FBGEMM's kernels to an instruction set below the CPU's
 ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
-TABLE_SCHEME = 2  # 2: each mode's row-stability check and verify residual (`rows_stable`, `verify_logit_diff`)
+TABLE_SCHEME = 3  # 2: each mode's row-stability check and verify residual; 3: a prefill block's cost (`prefill_ms`)
+PREFILL_ROWS = 256  # rows of the prefill forward timed per mode (EngineConfig.prefill_block's default)
 DRAFT_FRACTION = 0.25  # drafting ms per step / one-token forward ms (~10 / 37 ms measured on an AVX2 CPU)
 
 
@@ -155,6 +156,7 @@ class ComputeTable:
     rows_stable: dict[str, bool] = field(default_factory=dict)
     # mode -> largest |logit| difference between a verify forward and one-token steps (attention's residual)
     verify_logit_diff: dict[str, float] = field(default_factory=dict)
+    prefill_ms: dict[str, float] = field(default_factory=dict)  # mode -> ms of a PREFILL_ROWS-token forward
 
     def exact(self, mode: str) -> bool:
         """Exact here: fp32 math (is_exact_mode) whose linears passed the row-stability check on this machine."""
@@ -168,7 +170,7 @@ class ComputeTable:
         return json.dumps({"scheme": TABLE_SCHEME, "machine": self.machine, "fingerprint": self.fingerprint,
                            "torch_version": self.torch_version, "measured_at": self.measured_at,
                            "busy": self.busy, "rows_stable": self.rows_stable,
-                           "verify_logit_diff": self.verify_logit_diff,
+                           "verify_logit_diff": self.verify_logit_diff, "prefill_ms": self.prefill_ms,
                            "forward_ms": {m: {str(q): ms for q, ms in r.items()} for m, r in self.forward_ms.items()}},
                           indent=1, sort_keys=True) + "\n"
 
@@ -203,12 +205,18 @@ class ComputeTable:
         if not isinstance(diff, dict) or not set(forward) <= set(diff) or \
                 not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in diff.values()):
             raise ComputeTableError("no verify residual for every mode (verify_logit_diff, a number >= 0)")
+        prefill = raw.get("prefill_ms")
+        if not isinstance(prefill, dict) or not set(forward) <= set(prefill) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                for v in prefill.values()):
+            raise ComputeTableError("no prefill cost for every mode (prefill_ms, a positive number of ms)")
         try:
             return cls(machine=str(raw["machine"]), fingerprint=str(raw["fingerprint"]),
                        torch_version=str(raw["torch_version"]), forward_ms=forward,
                        measured_at=str(raw.get("measured_at", "")), busy=bool(raw.get("busy", False)),
                        rows_stable={m: stable[m] for m in forward},
-                       verify_logit_diff={m: float(diff[m]) for m in forward})
+                       verify_logit_diff={m: float(diff[m]) for m in forward},
+                       prefill_ms={m: float(prefill[m]) for m in forward})
         except KeyError as e:
             raise ComputeTableError(f"missing field {e}") from None
 
@@ -498,11 +506,30 @@ def measure_table(make_model: Callable[[str], torch.nn.Module], modes: Sequence[
     models = {mode: make_model(mode) for mode in modes}
     checks = {mode: shape_check(model) for mode, model in models.items()}
     rows = time_forwards(models, PROBE_SIZES, PROBE_PREFIX, reps)
+    prefill = time_prefills(models, PREFILL_ROWS, reps)
     del models
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     stable = {m: c.rows_stable for m, c in checks.items()}
     return ComputeTable(machine, fingerprint, torch.__version__, rows, now, busy, stable,
-                        {m: c.verify_logit_diff for m, c in checks.items()})
+                        {m: c.verify_logit_diff for m, c in checks.items()}, prefill)
+
+
+@torch.inference_mode()
+def time_prefills(models: dict[str, torch.nn.Module], rows: int = PREFILL_ROWS, reps: int = 3) -> dict[str, float]:
+    """{mode: ms}: the best of `reps` forwards of `rows` tokens from an empty cache (last row's logits only), per
+    mode, interleaved after a warm-up round."""
+    out = {m: math.inf for m in models}
+    for i in range(reps + 1):
+        for m, model in models.items():
+            device = next(model.parameters()).device
+            ids = (torch.arange(rows, device=device)[None] * 7 + 3) % model.config.vocab_size
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            _sync(device)
+            if i:
+                out[m] = min(out[m], (time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def read_table(path: Path, machine: str, fingerprint: str, modes: Sequence[str]) -> ComputeTable:

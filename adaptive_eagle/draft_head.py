@@ -386,7 +386,9 @@ class DraftKVCache:
         def attend(q, k, v):
             self.append(k, v)
             keys, values = self.keys[:, :, : self.length], self.values[:, :, : self.length]
-            gqa = q.device.type == "cpu"  # SDPA reads the KV heads in place: no copy of the context per head
+            # serving on a CPU: SDPA reads the KV heads in place (no copy of the context per head); under autograd
+            # the copy stays, since later appends write into the buffer the backward pass reads
+            gqa = q.device.type == "cpu" and not torch.is_grad_enabled()
             if not gqa:
                 n_rep = q.shape[1] // k.shape[1]
                 keys, values = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)

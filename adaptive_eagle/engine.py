@@ -262,7 +262,7 @@ class SpeculativeEngine:
 
     # ---- target ---------------------------------------------------------------------------------
     def _target_forward(self, ids: list[int], cache, positions: torch.Tensor, mask: torch.Tensor | None,
-                        aux: bool = True, final: bool = False, last_logits: bool = False):
+                        aux: bool = True, final: bool = False, last_logits: bool = False, model=None):
         """(logits [Q, V] (last_logits: only the last row's, [1, V], where the model allows), aux features
         [Q, n_aux * H] or None when aux=False, final-norm hidden [Q, H] or None unless final=True: what capture
         stores so the trainer needs no target forward)."""
@@ -273,7 +273,7 @@ class SpeculativeEngine:
             kw["attention_mask"] = mask.to(self.device)
         if last_logits and self._keep_kw:
             kw["logits_to_keep"] = 1
-        out = self.target.model(input_ids=x, **kw)
+        out = (model or self.target.model)(input_ids=x, **kw)
         if not (aux or final):
             return out.logits[0], None, None
         hs = out.hidden_states
@@ -440,7 +440,23 @@ class SpeculativeEngine:
     def _prefill_blocks(self, ids: list[int], cache, aux: bool, final: bool):
         """The prompt through the target in blocks of prefill_block tokens at absolute positions, whole blocks
         read from and kept in the prefix cache (prefix_cache.py: exact by construction). Returns the last
-        row's logits [1, V] and, when asked, the aux features and final hidden states of every prompt row."""
+        row's logits [1, V] and, when asked, the aux features and final hidden states of every prompt row.
+        Where the target prefills with another model (Target.prefill_model: the same weights in a dtype faster
+        at many rows), the blocks run there and `cache` receives their keys and values in its own dtype: every
+        request, plain or speculative, starts decoding from the same bits."""
+        prefill = self.target.prefill_model
+        if prefill is None:
+            return self._prefill_into(ids, cache, aux, final, None)
+        from adaptive_eagle.kv_cache import GrowingCache
+
+        own = GrowingCache()
+        out = self._prefill_into(ids, own, aux, final, prefill)
+        dtype = self.target.dtype
+        for i, layer in enumerate(own.layers):
+            cache.update(layer.keys.to(dtype), layer.values.to(dtype), i)
+        return out
+
+    def _prefill_into(self, ids: list[int], cache, aux: bool, final: bool, model):
         block, pc, n = self.config.prefill_block, self.prefix_cache, len(ids)
         keys = pc.keys(ids) if pc.max_bytes else []
         hit = pc.lookup(keys[: (n - 1) // block], aux, final) if keys else []  # the last token is always computed
@@ -458,7 +474,7 @@ class SpeculativeEngine:
         while start < n:
             stop = min(start + block, n)
             logits, a, f = self._target_forward(ids[start:stop], cache, torch.arange(start, stop), None, aux, final,
-                                                last_logits=True)
+                                                last_logits=True, model=model)
             if aux:
                 auxs.append(a)
             if final:

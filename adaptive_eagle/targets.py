@@ -132,6 +132,10 @@ class Target:
     compute_choice: C.ComputeChoice | None = None  # why it runs that way (load_target); None for hand-made targets
     # load_target's check on this machine (compute.rows_stable) for fp32-math modes; None: not checked
     rows_stable: bool | None = None
+    # the same weights in a dtype faster at a prefill block's many rows (bf16 where fp16-packed weights decode
+    # fastest, measured by load_target); the engine prefills every prompt with it (engine._prefill_blocks)
+    prefill_model: torch.nn.Module | None = None
+    prefill_choice: str = ""  # how prompts are prefilled and why (load_target); "" when by `model`
 
     @property
     def exact(self) -> bool:
@@ -317,13 +321,18 @@ def load_target(
     compute: str = "auto",
     aux_layer_ids=None,
     purpose: str = "decode",
+    prefill: str = "auto",
 ) -> Target:
     """Load a target from a built-in name or a local HF directory.
 
     compute: "auto" (decoding: the fastest EXACT mode measured on this machine, compute.py; training:
     default_dtype's policy) or a forced mode "bf16" | "fp32" | "fp32+fp16-weights" | "fp16". `dtype=`
     and ADAPTIVE_EAGLE_DTYPE force a plain dtype as before. purpose: "decode" (= "speculative"),
-    "plain" (no head: scores one-token forwards only) or "train"."""
+    "plain" (no head: scores one-token forwards only) or "train". prefill: "auto" (prompts prefill with the
+    same weights in bf16 where that is measured faster than the decoding mode at a prefill block: choose_prefill)
+    or "same" (with the decoding model)."""
+    if prefill not in ("auto", "same"):
+        raise ValueError(f"prefill: expected 'auto' or 'same', got {prefill!r}")
     from transformers import AutoTokenizer
 
     path = resolve_target_path(name_or_path)
@@ -340,9 +349,39 @@ def load_target(
     if C.is_exact_mode(choice.mode):  # measured with the table, else checked here (a second or two)
         measured = choice.table.rows_stable if choice.table is not None else {}
         stable = measured[choice.mode] if choice.mode in measured else C.rows_stable(model)
+    fast, why = (None, "") if prefill == "same" or purpose == "train" else choose_prefill(path, choice, model)
     return Target(name=name_or_path, model=model, tokenizer=tokenizer, fingerprint=fingerprint, path=path,
                   aux_layer_ids=ids, compute=C.COMPUTE_NAMES.get(choice.mode, choice.mode), compute_choice=choice,
-                  rows_stable=stable)
+                  rows_stable=stable, prefill_model=fast, prefill_choice=why)
+
+
+def choose_prefill(path: Path, choice: C.ComputeChoice, model: torch.nn.Module) -> tuple[torch.nn.Module | None, str]:
+    """(the bf16 model prompts prefill with, or None; why). Only where decoding runs fp32 math on fp16-packed
+    weights on a CPU and the checkpoint is bf16: those kernels are the fastest at one row and can be slow at many,
+    where bf16 GEMM (AVX512-BF16, AMX) may be the reverse. Decided by this machine's compute table (its
+    `prefill_ms`, a 256-token forward per mode; the cached table when the mode was forced, never measured here),
+    so every process on a machine prefills alike; bf16 is kept when at least 10% faster. Exactness is unchanged:
+    every request prefills the same way, so plain and speculative decoding start from the same cache
+    (engine._prefill_blocks)."""
+    device = next(model.parameters()).device
+    mode = choice.mode
+    if device.type != "cpu" or mode != "fp32+fp16-weights" or checkpoint_dtype(path) != "bfloat16":
+        return None, ""
+    table = choice.table
+    if table is None:
+        machine, fingerprint = C.machine_key(device), cached_fingerprint(path)
+        try:
+            table = C.read_table(cache_dir() / "compute" / f"{C.table_key(machine, fingerprint)}.json", machine,
+                                 fingerprint, (mode, "bf16"))
+        except C.ComputeTableError:
+            return None, f"prompts prefill in {mode}: no compute table on this machine times a bf16 prefill"
+    fast, own = table.prefill_ms.get("bf16"), table.prefill_ms.get(mode)
+    if fast is None or own is None:
+        return None, f"prompts prefill in {mode}: the compute table has no bf16 prefill time"
+    if fast >= 0.9 * own:
+        return None, f"prompts prefill in {mode}: bf16 not faster here ({fast:.0f} vs {own:.0f} ms a block)"
+    return build_model(path, "bf16", device), (f"prompts prefill in bf16: a {C.PREFILL_ROWS}-token block "
+                                               f"{fast:.0f} ms vs {own:.0f} ms in {mode} (compute table)")
 
 
 _DTYPE_MODES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}

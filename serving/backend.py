@@ -309,7 +309,7 @@ class ReferenceBackend:
     def info(self) -> dict:
         t = self.engine.target
         return {"backend": self.name, "target": t.name, "target_fingerprint": t.fingerprint, "compute": t.compute,
-                "lossless": t.lossless, "head_version": self.head_version, "engine": asdict(self.engine.config),
+                "prefill": t.prefill_choice or t.compute, "lossless": t.lossless, "head_version": self.head_version, "engine": asdict(self.engine.config),
                 "registry": str(self.registry.root) if self.registry is not None else None,
                 "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings,
                 "canary": self._canary.to_json() if self._canary is not None else None,

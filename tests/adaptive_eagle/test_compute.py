@@ -146,6 +146,7 @@ def test_table_is_measured_once_then_read_from_the_cache(tmp_path, tiny_models):
     (lambda good: json.dumps({k: v for k, v in good.items() if k != "rows_stable"}), "rows_stable"),
     (lambda good: json.dumps({**good, "rows_stable": {"fp32": "yes", "bf16": False}}), "rows_stable"),
     (lambda good: json.dumps({**good, "verify_logit_diff": {"fp32": -1.0, "bf16": 0.0}}), "verify_logit_diff"),
+    (lambda good: json.dumps({**good, "prefill_ms": {"fp32": 5.0}}), "prefill_ms"),
 ])
 def test_corrupt_cache_is_refused_with_a_reason_and_remeasured(tmp_path, monkeypatch, corrupt, reason):
     calls = []
@@ -153,6 +154,7 @@ def test_corrupt_cache_is_refused_with_a_reason_and_remeasured(tmp_path, monkeyp
     monkeypatch.setattr(C, "time_forwards", lambda models, sizes, prefix, reps: {
         m: {q: 1.0 + q for q in sizes} for m in models})
     monkeypatch.setattr(C, "shape_check", lambda model: C.ShapeCheck(True, 0.0))
+    monkeypatch.setattr(C, "time_prefills", lambda models, rows, reps: {m: 50.0 for m in models})
     C.cached_table(tmp_path, make, ("bf16", "fp32"), "cpu:test", "fp:tiny", reps=1)
     path = tmp_path / f"{C.table_key('cpu:test', 'fp:tiny')}.json"
     path.write_text(corrupt(json.loads(path.read_text())))
@@ -170,6 +172,8 @@ def test_time_forward_sizes(tiny_models):
     assert set(ms) == {1, 4} and all(v > 0 for v in ms.values())
     both = C.time_forwards({"fp32": make("fp32"), "bf16": make("bf16")}, sizes=(1, 2), prefix=8, reps=2)
     assert set(both) == {"fp32", "bf16"} and all(set(r) == {1, 2} for r in both.values())
+    prefill = C.time_prefills({"fp32": make("fp32"), "bf16": make("bf16")}, rows=16, reps=1)
+    assert set(prefill) == {"fp32", "bf16"} and all(v > 0 for v in prefill.values())
 
 
 def test_a_table_timed_on_a_busy_machine_is_retimed_once_it_is_quiet(tmp_path, monkeypatch):
@@ -177,6 +181,7 @@ def test_a_table_timed_on_a_busy_machine_is_retimed_once_it_is_quiet(tmp_path, m
     monkeypatch.setattr(C, "time_forwards", lambda models, sizes, prefix, reps: {
         m: {q: 1.0 + q for q in sizes} for m in models})
     monkeypatch.setattr(C, "shape_check", lambda model: C.ShapeCheck(True, 0.0))
+    monkeypatch.setattr(C, "time_prefills", lambda models, rows, reps: {m: 50.0 for m in models})
     monkeypatch.setattr(C, "machine_busy", lambda threshold=0.5: True)
     table, source, _ = C.cached_table(tmp_path, calls.append, ("fp32",), "cpu:test", "fp:tiny", reps=1)
     assert source == "measured" and table.busy

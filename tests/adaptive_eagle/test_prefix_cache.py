@@ -114,3 +114,33 @@ def test_settings_are_checked():
     off = PrefixCache(block=4, max_bytes=0)
     off.store(off.keys([1, 2, 3, 4])[0], _block())
     assert len(off) == 0
+
+
+def test_a_faster_prefill_model_starts_plain_and_speculative_decoding_from_the_same_bits():
+    """Target.prefill_model (bf16 where fp16-packed weights decode fastest): prompts prefill there, the decode
+    cache gets its keys and values in the target's dtype, a cached prefix gives the same bits, and speculative
+    greedy output is plain greedy output of the same target token for token."""
+    import dataclasses
+
+    target, head = tiny_setup(seed=2, dtype=torch.float32)
+    fast = tiny_target(seed=2, dtype=torch.bfloat16, vocab_size=32, num_layers=6, initializer_range=0.15).model
+    target = dataclasses.replace(target, prefill_model=fast)
+    cfg = EngineConfig(depth=4, topk=4, num_draft_tokens=12, cost_aware=False, prefill_block=BLOCK,
+                       calibration_dir="")
+    spec, plain = SpeculativeEngine(target, head, cfg), SpeculativeEngine(target, None, cfg)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 32, (n,), generator=g).tolist() for n in (20, 41, 57)]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    for ids in prompts:
+        assert spec.generate(ids, sp).token_ids == plain.generate(ids, sp).token_ids
+    # the same prompt again (plain decoding keeps no features): two blocks from the cache
+    logits, _, _, cache = _prefill(plain, prompts[1], aux=False, final=False)
+    cold = _prefill(SpeculativeEngine(target, None, cfg), prompts[1], aux=False, final=False)
+    assert plain.prefix_cache.counts.hit_tokens == 2 * BLOCK and cache.layers[0].keys.dtype == torch.float32
+    assert torch.equal(logits, cold[0])
+    for a, b in zip(cache.layers, cold[3].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    with torch.inference_mode():  # the bf16 forward's keys, cast: not the fp32 model's own
+        ref = DynamicCache()
+        fast(input_ids=torch.tensor([prompts[1][:BLOCK]]), past_key_values=ref, use_cache=True)
+    assert torch.equal(cache.layers[0].keys[..., :BLOCK, :], ref.layers[0].keys.float())
