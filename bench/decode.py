@@ -281,16 +281,18 @@ def session_prompts(conversations, n: int, max_new: int, plain: SpeculativeEngin
     return [sent[i] for i in sorted(set(picks))]
 
 
-def prefix_cache_prefill(target, turns: list, picks: list, encode) -> dict:
+def prefix_cache_prefill(target, turns: list, picks: list, encode, models: dict) -> dict:
     """A session's later turn, prefilled cold (empty prefix cache) and warm (its previous turn prefilled first,
-    as a serving engine would have), next to HF's one-forward prefill of it (raw kernels, the last row's logits
-    only): medians over every picked request that has a previous turn in its session."""
+    as a serving engine would have), next to HF's one-forward prefill of it in the fastest of `models` (mode ->
+    model; raw kernels, the last row's logits only): medians over every picked request that has a previous turn
+    in its session."""
     from transformers import DynamicCache
 
     engine = SpeculativeEngine(target, None, engine_config(prompt_lookup=False, suffix_drafting=False,
                                                            calibration_dir=""))
     pc = engine.prefix_cache
-    cold, warm, hf, reused = [], [], [], []
+    cold, warm, reused = [], [], []
+    hf: dict[str, list[float]] = {m: [] for m in models}
 
     def timed(fn) -> float:
         t0 = time.perf_counter()
@@ -312,13 +314,16 @@ def prefix_cache_prefill(target, turns: list, picks: list, encode) -> dict:
         reused.append((pc.counts.hit_tokens - hits) / len(ids))
         with raw_rows():
             x = torch.tensor([ids], device=target.device)
-            hf.append(timed(lambda: target.model(input_ids=x, use_cache=True, logits_to_keep=1)))
+            for m, model in models.items():
+                hf[m].append(timed(lambda: model(input_ids=x, use_cache=True, logits_to_keep=1)))
     if not cold:
         return {"requests": 0}
     med = statistics.median
+    fastest = min(hf, key=lambda m: med(hf[m]))
     return {"requests": len(cold), "cold_p50_s": round(med(cold), 3), "warm_p50_s": round(med(warm), 3),
-            "hf_prefill_p50_s": round(med(hf), 3), "warm_vs_cold": round(med(warm) / med(cold), 3),
-            "cold_vs_hf": round(med(cold) / med(hf), 3), "reused_fraction_p50": round(med(reused), 3)}
+            "hf_prefill_p50_s": round(med(hf[fastest]), 3), "hf_prefill_mode": fastest,
+            "warm_vs_cold": round(med(warm) / med(cold), 3), "cold_vs_hf": round(med(cold) / med(hf[fastest]), 3),
+            "reused_fraction_p50": round(med(reused), 3)}
 
 
 def load_prompts(workload: str, conversations, n: int, max_new: int = 128,
@@ -377,7 +382,8 @@ def main() -> None:
     targets = {m: target if m == default_mode else load_target(device=target.device, compute=m) for m in modes}
     targets.setdefault(default_mode, target)
     exact_mode = default_mode if is_exact_mode(default_mode) else next(m for m in modes if is_exact_mode(m))
-    print(f"target compute: {target.compute} ({target.lossless}); {target.compute_choice.reason}", file=sys.stderr)
+    print(f"target compute: {target.compute} ({target.lossless}); {target.compute_choice.reason}; "
+          f"{getattr(target, 'prefill_choice', '') or 'prompts prefill in the same mode'}", file=sys.stderr)
     loaded = load_head(args.head, target, device=target.device)
     head = loaded if hasattr(SpeculativeEngine, "set_head") else loaded.head.to(target.dtype)
     tree = dict(depth=args.depth, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
@@ -396,7 +402,8 @@ def main() -> None:
             rows = build_rows(w, targets, default_mode, head, loaded.meta.version, tree)
             results[w] = run_set(w, prompts, rows, encoder.encode, exact_mode, args.max_new)
             if w == "sessions":
-                prefill = prefix_cache_prefill(target, turns, prompts, encoder.encode)
+                prefill = prefix_cache_prefill(target, turns, prompts, encoder.encode,
+                                               {m: t.model for m, t in targets.items()})
                 print(f"sessions prefill (prefix cache): {json.dumps(prefill)}")
     eng, rep, agent, sessions = (results.get(w) for w in WORKLOADS)
     spec = [r for t in results.values() if t for n, r in t["rows"].items()
@@ -423,6 +430,7 @@ def main() -> None:
         "sessions_prefill": prefill,
         "head_install_ms": install_ms, "head_install_measures": install_how,
         "compute": target.compute, "lossless": target.lossless, "compute_choice": target.compute_choice.reason,
+        "prefill": getattr(target, "prefill_choice", "") or target.compute,
         "forward_ms": target.compute_choice.table and {
             m: {q: round(ms, 2) for q, ms in r.items()} for m, r in target.compute_choice.table.forward_ms.items()},
         "modes": list(targets), "head": loaded.meta.version, "quick": args.quick,
