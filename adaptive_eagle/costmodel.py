@@ -277,7 +277,7 @@ class DraftGate:
 
     decay: float = 0.8
     probe_every: int = 8
-    probe_winner_every: int = 16  # 0: never (the other side's rate is known without measuring it)
+    probe_winner_every: int = 16
     draft_rate: float = math.nan  # tokens/ms of steps that drafted with the head
     plain_rate: float = math.nan  # tokens/ms of steps that did not
     skipped: int = 0  # steps in a row without the head (while it loses)
@@ -291,7 +291,7 @@ class DraftGate:
         if self.draft_rate >= plain:
             self.skipped = 0
             self.drafted += 1
-            if self.probe_winner_every and self.drafted >= self.probe_winner_every:
+            if self.drafted >= self.probe_winner_every:
                 self.drafted = 0
                 return False
             return True
@@ -310,6 +310,51 @@ class DraftGate:
             self.draft_rate = new
         else:
             self.plain_rate = new
+
+
+@dataclass
+class PlainGate:
+    """One request's answer to "does speculating beat plain decoding here?", from its own steps: committed tokens
+    per ms of its speculative steps (decayed sums, so about the last 1 / (1 - decay) steps count) against a plain
+    step's (its own plain steps' once it has `min_plain` of them, else the caller's estimate). Speculation runs
+    until `min_steps` speculative steps were measured (one step's tokens vary from 1 to a whole tree, so fewer
+    decide nothing); while it loses, every `probe_every`-th step speculates anyway, so the gate notices when the
+    text turns predictable."""
+
+    min_steps: int = 8
+    probe_every: int = 4
+    decay: float = 0.95
+    min_plain: int = 4
+    spec_tokens: float = 0.0
+    spec_ms: float = 0.0
+    spec_steps: int = 0
+    plain_tokens: float = 0.0
+    plain_ms: float = 0.0
+    plain_steps: int = 0
+    skipped: int = 0
+
+    def allow(self, plain_estimate: float) -> bool:
+        """plain_estimate: tokens/ms of a plain step before `min_plain` were measured."""
+        if self.spec_steps < self.min_steps:
+            return True
+        plain = self.plain_tokens / self.plain_ms if self.plain_steps >= self.min_plain else plain_estimate
+        if self.spec_tokens / max(1e-9, self.spec_ms) >= plain:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        if self.skipped >= self.probe_every:
+            self.skipped = 0
+            return True
+        return False
+
+    def observe(self, speculated: bool, tokens: int, ms: float) -> None:
+        d = self.decay
+        if speculated:
+            self.spec_tokens, self.spec_ms = d * self.spec_tokens + tokens, d * self.spec_ms + ms
+            self.spec_steps += 1
+        else:
+            self.plain_tokens, self.plain_ms = d * self.plain_tokens + tokens, d * self.plain_ms + ms
+            self.plain_steps += 1
 
 
 def best_prefix(accept: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, verify_ms, draft_ms: float

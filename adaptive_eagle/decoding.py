@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from adaptive_eagle.binding import HeadBinding
-from adaptive_eagle.costmodel import DraftGate
+from adaptive_eagle.costmodel import PlainGate
 from adaptive_eagle.drafting import HeadFeed
 from adaptive_eagle.lookup import BudgetSplit
 from adaptive_eagle.request import GenerationRequest
@@ -38,8 +38,7 @@ class DecodeState:
     stops: StopCheck  # where the output ends; stops.kept is the output so far
     t0: float  # perf_counter at the start of the prefill
     split: BudgetSplit = field(default_factory=BudgetSplit)
-    # does speculating pay for this request (engine._speculates)? A plain step's cost is known: no winner probes
-    plain_gate: DraftGate = field(default_factory=lambda: DraftGate(probe_winner_every=0))
+    plain_gate: PlainGate = field(default_factory=PlainGate)  # does speculating pay for this request (engine.py)
     # every committed token; a verify step may commit past the output's end, which stops.kept excludes
     generated: list[int] = field(default_factory=list)
     steps: list[VerifyStep] = field(default_factory=list)

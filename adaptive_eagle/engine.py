@@ -306,7 +306,7 @@ class SpeculativeEngine:
         """Whether this step drafts at all (always, unless cost-aware): the request's own gate compares the
         committed tokens per ms of its speculative steps with its plain ones (before one was measured: a plain
         forward's cost at this context), so a request that speculation slows decodes plainly, probing every
-        few steps (costmodel.DraftGate); such steps are counted as plain steps."""
+        few steps (costmodel.PlainGate); such steps are counted as plain steps."""
         return not self.config.cost_aware or state.plain_gate.allow(1.0 / self.verify_cost(1, state.root_pos))
 
     def _head_pays(self, state: DecodeState) -> bool:

@@ -60,7 +60,7 @@ def check_stack(cfg: StackConfig, serving_target: bool = True) -> StackCheck:
     provisioning of a target directory is held to serving.target (the seed head itself must still be here)."""
     problems: list[Problem] = []
     notes: list[str] = []
-    for rule in (_candidates, _live_minimums, _cluster_paths):
+    for rule in (_candidates, _live_minimums, _cluster_paths, _holdback):
         rule(cfg, problems, notes)
     _provisioned(cfg, problems, notes, serving_target)
     if serving_target:
@@ -152,6 +152,17 @@ def _live_minimums(cfg: StackConfig, problems: list[Problem], notes: list[str]) 
             problems.append(Problem((name, "serving.live_samples_max"), (
                 f"needs {need} live requests of a head, but the gateway keeps only the last {kept} per head: it "
                 f"could never decide. Raise serving.live_samples_max to >= {need} or lower {name}")))
+
+
+def _holdback(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
+    """The holdback arm decodes with a second head inside each replica: the reference engine does (a binding next
+    to the served head); an SGLang server runs one draft model at a time."""
+    sv = cfg.serving
+    if sv.holdback_fraction > 0 and sv.backend == "sglang":
+        problems.append(Problem(("serving.holdback_fraction", "serving.backend"), (
+            f"a holdback arm ({sv.holdback_fraction:.0%} of requests on the frozen baseline) needs a second head in "
+            "each replica, and an SGLang server runs one draft model at a time. Set serving.holdback_fraction to 0 "
+            "on SGLang replicas")))
 
 
 def _cluster_paths(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:

@@ -42,6 +42,7 @@ from adaptive_eagle.registry import HeadRegistry
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.versions import PLAIN, engine_version, version_label
 from policies.canary import Canary
+from policies.holdback import Holdback
 from serving.messages import DecodeRequest
 
 
@@ -69,9 +70,18 @@ class BackendResult:
     finish_reason: str  # "stop" | "length"
     trace: TraceRecord  # tenant, domain and capture consent filled in
     elapsed_s: float
+    arm: str = "served"  # "holdback": decoded by the frozen baseline (policies.holdback), else "served"
 
 
 BackendItem = Union[TokenChunk, BackendResult]
+
+
+@dataclass(frozen=True)
+class HoldbackBinding:
+    """The frozen baseline prepared next to the served head: which requests it takes and the bound head."""
+
+    holdback: Holdback
+    binding: HeadBinding
 
 
 @dataclass(frozen=True)
@@ -146,6 +156,7 @@ class ReferenceBackend:
         self.swap_cpu_share = swap_cpu_share  # of one core, while a swap reads, checks and converts a head
         self._swap_lock = threading.Lock()  # swaps are serialised; decoding never waits for them
         self._canary: Optional[CanaryBinding] = None  # read once per request (one reference)
+        self._holdback: Optional[HoldbackBinding] = None  # the frozen baseline's arm (set_holdback)
         self.keep_previous = keep_previous
         self._previous: Optional[HeadBinding] = None  # what served before the last swap, still prepared
 
@@ -205,16 +216,22 @@ class ReferenceBackend:
                                  consent=request.capture, generator=generator, binding=self._binding_for(request))
 
     def stream(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> Iterator[BackendItem]:
-        for item in self.engine.run(self.generation_request(request, prompt_ids, capture)):
+        gen = self.generation_request(request, prompt_ids, capture)
+        held = self._holdback
+        arm = "holdback" if held is not None and gen.binding is held.binding else "served"
+        for item in self.engine.run(gen):
             if isinstance(item, StepOutput):
                 yield TokenChunk(item.token_ids, item.text)
             else:
                 yield BackendResult(tuple(item.token_ids), item.output_text, item.finish_reason, item.trace,
-                                    item.elapsed_s)
+                                    item.elapsed_s, arm)
 
     def _binding_for(self, request: DecodeRequest) -> Optional[HeadBinding]:
-        """The canary's binding for its share of requests (or a request that asked for its head); None: the
-        installed head."""
+        """The frozen baseline's binding for the holdback arm's share of requests; the canary's for its share (or
+        a request that asked for its head); None: the installed head."""
+        held = self._holdback
+        if held is not None and request.head is None and held.holdback.takes(request.request_id):
+            return held.binding
         canary = self._canary
         if canary is None:
             return None
@@ -277,6 +294,27 @@ class ReferenceBackend:
                 self._canary = None
             return replace(res, message=f"{res.message} ({how})", install_ms=(time.perf_counter() - t0) * 1e3)
 
+    def set_holdback(self, version: Optional[str], fraction: float) -> SwapResult:
+        """Decode `fraction` of requests (a hash of the request id: policies.holdback) with the frozen baseline
+        `version`, prepared next to the installed head for as long as the replica runs; None ends the arm."""
+        if version is None or fraction == 0:
+            self._holdback = None
+            return SwapResult(True, "no holdback arm: every request decodes with the served head", None)
+        try:
+            holdback = Holdback(version, fraction)
+        except ValueError as e:
+            return SwapResult(False, f"refused holdback {version}: {e}", None)
+        with self._swap_lock:
+            t0 = time.perf_counter()
+            try:
+                binding = self.engine.bind(self._load(version), engine_version(version), adopt=True)
+            except Exception as e:  # noqa: BLE001 - missing, checksum, shape: no arm, and the status says why
+                self._holdback = None
+                return SwapResult(False, f"refused holdback {version}: {e}", None, (time.perf_counter() - t0) * 1e3)
+            self._holdback = HoldbackBinding(holdback, binding)
+        return SwapResult(True, f"holdback: {version} decodes {fraction:.0%} of requests next to the served head",
+                          version, (time.perf_counter() - t0) * 1e3)
+
     def set_canary(self, version: Optional[str], fraction: float) -> SwapResult:
         """Decode `fraction` of requests (stable hash of the request id) with `version`, prepared next to
         the installed head (`engine.bind`); None ends the canary. The same version again only changes the
@@ -313,6 +351,7 @@ class ReferenceBackend:
                 "registry": str(self.registry.root) if self.registry is not None else None,
                 "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings,
                 "canary": self._canary.to_json() if self._canary is not None else None,
+                "holdback": self._holdback.holdback.to_json() if self._holdback is not None else None,
                 "previous_head": None if self._previous is None else version_label(self._previous.version),
                 # cumulative counts, exported as ae_backend_events{event=...} (serving/metrics.py)
                 "counts": self.engine.prefix_cache.counts.as_dict(),

@@ -59,6 +59,12 @@ class ServingConfig(BaseModel):
     store: Optional[StoreConfig] = Field(None, description="the feature store (None: nothing stored)")
     registry_path: Optional[str] = Field(None, description="head registry root (None: plain decoding only)")
     initial_head: Optional[str] = Field(None, description="head version at start (None: the registry champion)")
+    holdback_fraction: float = Field(0.0, ge=0.0, le=0.5, description=(
+        "share of requests each reference replica decodes with the frozen baseline head, next to the served one at "
+        "the same time (the holdback arm: adapted vs frozen time per output token per domain, ae_loop_tpot_gain); "
+        "0: no arm"))
+    holdback_head: Optional[str] = Field(None, description=(
+        "the frozen baseline (None: the oldest head in the starting head's lineage, the head the loop began from)"))
     target: str = Field("smollm2-135m", description="built-in target name or a local model directory")
     device: str = Field("cpu", description="where reference replicas run: 'cpu', 'auto' (CUDA when present), "
                         "'cuda', 'cuda:1', ...")

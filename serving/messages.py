@@ -85,6 +85,7 @@ class SpecMetrics:
     ttft_s: float = 0.0  # wall seconds from the replica starting the request to its first token (the prefill)
     # verify steps that verified no draft (the cost model found no draft worth its verify cost: a plain step)
     plain_steps: int = 0
+    arm: str = "served"  # "holdback": decoded by the frozen baseline head (serving.holdback_fraction)
 
     def to_json(self) -> dict:
         return asdict(self)

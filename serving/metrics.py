@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from adaptive_eagle.positions import DEFAULT_EDGES, bucket_labels, context_position, label_of, step_positions
 from adaptive_eagle.trace import TraceRecord
+from policies.holdback import HoldbackWindow
 from serving.messages import ServerStatus, SpecMetrics
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,36 @@ def context_fields(trace: TraceRecord) -> dict:
 # by restarting SGLang on the head: a cold start, or refused with the old head kept) and why a request was lost
 SWAP_COUNTS = {"session_swaps": "session", "restart_swaps": "restart", "refused_swaps": "refused"}
 LOST_COUNTS = ("aborted", "refused_by_sglang", "broken_streams", "protocol_errors")  # _failure_kind's values
+
+
+class LoopGainCollector:
+    """ae_loop_tpot_gain / ae_loop_accept_gain{domain, stat}: per domain, the holdback arm's figures against the
+    served arm's over the newest requests (policies.holdback.HoldbackWindow; stat: point, p05, p95 of a 90%
+    bootstrap interval), computed at scrape time; a domain shows once both arms have MIN_PER_ARM requests."""
+
+    def __init__(self, window: HoldbackWindow) -> None:
+        self.window = window
+
+    def describe(self):
+        return list(self._families([]))
+
+    def collect(self):
+        gains = [g for d in self.window.domains() if (g := self.window.gain(d, resamples=200)) is not None]
+        return list(self._families(gains))
+
+    @staticmethod
+    def _families(gains):
+        tpot = GaugeMetricFamily("ae_loop_tpot_gain", "Frozen baseline's median time per output token over the "
+                                 "served heads', same replicas and time (holdback arm); above 1: adapting pays",
+                                 labels=["domain", "stat"])
+        accept = GaugeMetricFamily("ae_loop_accept_gain", "Served heads' median accept length over the frozen "
+                                   "baseline's (holdback arm)", labels=["domain", "stat"])
+        for g in gains:
+            for fam, point, (lo, hi) in ((tpot, g.tpot_gain, g.tpot_gain_90), (accept, g.accept_gain,
+                                                                                 g.accept_gain_90)):
+                for stat, v in (("point", point), ("p05", lo), ("p95", hi)):
+                    fam.add_metric([g.domain, stat], v)
+        return [tpot, accept]
 
 
 class BackendCollector:
@@ -179,9 +210,17 @@ class GatewayMetrics:
                                      registry=r)
         self.backends = BackendCollector()
         r.register(self.backends)
+        self.holdback = HoldbackWindow()  # the holdback arm's and the served arm's newest requests per domain
+        self.holdback_requests = Counter("ae_holdback_requests", "Finished requests by arm (holdback: the frozen "
+                                         "baseline head; served: every other) and domain", ["arm", "domain"],
+                                         registry=r)
+        r.register(LoopGainCollector(self.holdback))
 
     def observe(self, spec: SpecMetrics, tokens: int) -> None:
         v = spec.head_version
+        self.holdback_requests.labels(spec.arm, spec.domain or "none").inc()
+        if tokens > 1:
+            self.holdback.add(spec.domain, spec.arm, spec.tpot_s, spec.accept_length)
         self.accept_length.labels(v, spec.domain or "none").observe(spec.accept_length)
         self._observe_context(v, spec.by_context)
         self.plain_steps.labels(v).inc(spec.plain_steps)

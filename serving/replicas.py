@@ -44,6 +44,16 @@ def starting_head(config: ServingConfig, registry) -> str:
     return registry.champion() if registry is not None else PLAIN
 
 
+def holdback_head(config: ServingConfig, registry, version: str) -> Optional[str]:
+    """The holdback arm's frozen baseline: holdback_head, else the oldest head in `version`'s lineage (None: no
+    registry, or plain decoding: nothing to hold back)."""
+    if config.holdback_head is not None:
+        return config.holdback_head
+    if registry is None or version == PLAIN:
+        return None
+    return registry.lineage(version)[-1]
+
+
 @dataclass(frozen=True)
 class ReplicaBuilder:
     """`builder()` -> one DecodeServer named `name`. `index` offsets per-replica ports (SGLang);
@@ -86,7 +96,12 @@ class ReplicaBuilder:
             head = registry.load(version, target, device=target.device)
         engine = SpeculativeEngine(target, head, EngineConfig(**cfg.engine.model_dump()),
                                    head_version=engine_version(version))
-        return ReferenceBackend(engine, registry, cfg.max_prompt_tokens, swap_cpu_share=cfg.swap_cpu_share)
+        backend = ReferenceBackend(engine, registry, cfg.max_prompt_tokens, swap_cpu_share=cfg.swap_cpu_share)
+        if cfg.holdback_fraction > 0:
+            baseline = holdback_head(cfg, registry, version)
+            res = backend.set_holdback(baseline, cfg.holdback_fraction)
+            (log.info if res.ok else log.error)("replica %s: %s", self.name, res.message)
+        return backend
 
     def _sglang(self, registry, version: str):
         from transformers import AutoTokenizer

@@ -92,7 +92,7 @@ def spec_metrics(result: BackendResult, backend: str, replica: str, captured: st
         backend=backend, replica=replica,
         elapsed_s=round(result.elapsed_s, 6), tpot_s=round(tpot, 6), ttft_s=round(ttft, 6),
         tokens_per_s=round(n / result.elapsed_s, 3) if result.elapsed_s > 0 else 0.0, captured=captured,
-        domain=domain, **context_fields(result.trace))
+        domain=domain, arm=getattr(result, "arm", "served"), **context_fields(result.trace))
 
 
 class DecodeServer:

@@ -48,6 +48,8 @@ def demo(
                                                 "(its tokens/s) (default 4; --quick 3)"),
     greedy_checks: Optional[int] = typer.Option(None, help="responses checked against plain greedy decoding "
                                                 "(default 5; --quick 3)"),
+    holdback: float = typer.Option(0.15, help="share of requests the replicas decode with the frozen shipped head "
+                                   "next to the adapted one (the report's time per output token, same load)"),
     port: int = typer.Option(0, help="gateway port (0: any free port)"),
     state_dir: Optional[Path] = typer.Option(None, help="stack state (registry, store, trainer); default: a "
                                              "temporary directory removed afterwards"),
@@ -73,7 +75,7 @@ def demo(
     try:
         cfg = DemoConfig.make(**fields, out=str(out), scenario=scenario, prompts=str(prompts) if prompts else None,
                               clients=clients, quick=quick, port=port, state_dir=str(state_dir) if state_dir else None,
-                              keep_state=keep_state, seed=seed, evidence=evidence)
+                              keep_state=keep_state, seed=seed, evidence=evidence, holdback=holdback)
     except DemoConfigError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None
@@ -84,7 +86,9 @@ def demo(
     s = outcome.summary
     typer.secho(f"\nreport: {outcome.out / 'report.md'}", bold=True)
     typer.echo(f"{s['drift_domain']} ({s['drift_window']}): accept length adapted {s['drift_accept_length_adapted']} "
-               f"vs frozen {s['drift_accept_length_frozen']} ({s['drift_gain_pct']}%); promotions {s['promotions']}, "
+               f"vs frozen {s['drift_accept_length_frozen']} ({s['drift_gain_pct']}%); time per output token "
+               f"{s.get('drift_tpot_ms_adapted')} vs frozen {s.get('drift_tpot_ms_frozen')} ms (holdback arm, gain "
+               f"{s.get('drift_tpot_gain')}); promotions {s['promotions']}, "
                f"failed requests {s['failed_requests']}, greedy mismatches {s['greedy_checks']['mismatches']}")
     raise typer.Exit(outcome.exit_code)
 

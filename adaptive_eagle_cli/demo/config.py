@@ -57,6 +57,9 @@ class DemoConfig(BaseModel):
                                      "phase (before the drift: about 40 requests of a 15-minute run); in (0, 1)")
     control_every: int = Field(6, ge=1, le=1000, description="every k-th request is also decoded in-process with "
                                "the frozen head (its tokens/s); in [1, 1000]")
+    holdback: float = Field(0.15, ge=0.0, le=0.5, description="share of requests the replicas decode with the "
+                            "frozen shipped head next to the adapted one, at the same time (the holdback arm: the "
+                            "report's time per output token, adapted vs frozen); in [0, 0.5]")
     greedy_checks: int = Field(5, ge=0, le=100, description="responses checked against plain greedy decoding; "
                                "in [0, 100]")
     max_prompt_chars: int = Field(600, ge=20, le=20_000, description="ShareGPT prompts longer than this are "
@@ -205,6 +208,7 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
                     "max_prompt_tokens": MAX_PROMPT_TOKENS, "max_tokens_limit": max(cfg.max_tokens, 256),
                     "default_max_tokens": cfg.max_tokens, "request_timeout_s": 900,
                     "capture": {"fraction": 1.0, "budget_bytes_per_s": 256 << 20, "seed": cfg.seed},
+                    "holdback_fraction": cfg.holdback,
                     "engine": ENGINE},
         "store": {"fsync": False},
         "trainer": trainer,

@@ -44,6 +44,12 @@ class Row:
     tokens_per_s_adapted: Optional[float]
     tokens_per_s_frozen: Optional[float]
     frozen_decoded: int  # requests of the window the frozen head decoded again (its tokens/s)
+    # time per output token, median ms: the served arm's requests vs the holdback arm's (the frozen head decoding
+    # its share of the same traffic on the same replicas at the same time); gain = frozen / adapted
+    tpot_ms_adapted: Optional[float] = None
+    tpot_ms_frozen: Optional[float] = None
+    holdback_requests: int = 0
+    tpot_gain: Optional[float] = None
 
 
 def windows(results: Sequence[RequestResult], phases: Sequence[Phase]) -> list[tuple[str, str, list[RequestResult]]]:
@@ -75,10 +81,19 @@ def table(results: Sequence[RequestResult], phases: Sequence[Phase], counts: dic
         adapted, frozen = _trimmed([c.served for c in scored]), _trimmed([c.frozen for c in scored])
         ctl = [by_id[r.request_id] for r in rs if r.request_id in by_id]
         gain = round(100 * (adapted / frozen - 1), 2) if adapted and frozen else None
+        served, held = _tpot_ms(rs, "served"), _tpot_ms(rs, "holdback")
         rows.append(Row(window, domain, len(rs), ",".join(sorted({r.head_version for r in rs})), adapted, frozen, gain,
                         round(float(np.mean([r.tokens_per_s for r in rs])), 2) if rs else None,
-                        round(float(np.mean([c.tokens_per_s for c in ctl])), 2) if ctl else None, len(ctl)))
+                        round(float(np.mean([c.tokens_per_s for c in ctl])), 2) if ctl else None, len(ctl),
+                        served, held, sum(r.arm == "holdback" for r in rs),
+                        round(held / served, 3) if served and held else None))
     return rows
+
+
+def _tpot_ms(rs: Sequence[RequestResult], arm: str) -> Optional[float]:
+    """Median time per output token (ms) of the window's requests of `arm` with more than one output token."""
+    xs = [r.tpot_s * 1e3 for r in rs if r.arm == arm and r.completion_tokens > 1 and r.tpot_s > 0]
+    return round(float(np.median(xs)), 2) if xs else None
 
 
 def replay_check(results: Sequence[RequestResult], counts: dict, frozen: str) -> dict:
@@ -170,6 +185,10 @@ def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Seque
         "drift_accept_length_adapted": drift.accept_length_adapted if drift else None,
         "drift_accept_length_frozen": drift.accept_length_frozen if drift else None,
         "drift_gain_pct": drift.gain_pct if drift else None,
+        "drift_tpot_ms_adapted": drift.tpot_ms_adapted if drift else None,
+        "drift_tpot_ms_frozen": drift.tpot_ms_frozen if drift else None,
+        "drift_tpot_gain": drift.tpot_gain if drift else None,
+        "holdback_requests": sum(r.ok and r.arm == "holdback" for r in results),
         "requests": len(results),
         "failed_requests": sum(not r.ok for r in results),
         "failures": [f"{r.request_id or r.index}: {r.error}" for r in results if not r.ok][:20],
@@ -255,12 +274,12 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
              f"{s['promotions']} promotions, {s['rollbacks']} rollbacks",
              f"- time to adapt: {adapt_line(s)}",
              f"- trainer latency, last candidate: {latency_line(s.get('trainer'))}", "",
-             "| window | domain | requests | heads served | accept length adapted | frozen | gain % | tok/s adapted "
-             "| tok/s frozen (n) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| window | domain | requests | heads served | accept length adapted | frozen | gain % | TPOT ms adapted "
+             "| TPOT ms frozen, holdback (n) | TPOT gain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.window} | {r.domain} | {r.requests} | {r.heads} | {_fmt(r.accept_length_adapted)} | "
-                     f"{_fmt(r.accept_length_frozen)} | {_fmt(r.gain_pct, 2)} | {_fmt(r.tokens_per_s_adapted, 1)} | "
-                     f"{_fmt(r.tokens_per_s_frozen, 1)} ({r.frozen_decoded}) |")
+                     f"{_fmt(r.accept_length_frozen)} | {_fmt(r.gain_pct, 2)} | {_fmt(r.tpot_ms_adapted, 1)} | "
+                     f"{_fmt(r.tpot_ms_frozen, 1)} ({r.holdback_requests}) | {_fmt(r.tpot_gain, 3)} |")
     lines += ["", f"![accept length over time]({PLOT})", "", "## Gate decisions (promotions.jsonl)", ""]
     lines += [f"- `{e.time[11:19]}` **{e.event}** {e.candidate or ''}: {e.reason}" for e in events] or ["- none"]
     lines += ["", "## How the figures are measured", "",
@@ -270,9 +289,12 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
               "responses' `adaptive_eagle` field); tokens/s = mean over the window's responses.",
               "- Frozen: the shipped head never updated, on the same requests. Accept length by acceptance replay "
               "(trainer/replay.py) of the frozen head on each request's captured record: exact for greedy traffic "
-              "with these engine settings (no prompt lookup, no suffix drafts, no cost-aware pruning). Tokens/s from "
-              f"{s['control']['frozen_decoded']} requests decoded again in-process with the frozen head while the "
-              "traffic ran (the same machine load).",
+              "with these engine settings (no prompt lookup, no suffix drafts, no cost-aware pruning).",
+              f"- Time per output token (TPOT, after the first token; median ms): adapted = the window's requests the "
+              f"replicas decoded with the served heads; frozen = the holdback arm, the {s.get('holdback_requests', 0)} "
+              "requests (a fixed share, by a hash of the request id) the same replicas decoded with the frozen "
+              "shipped head at the same time, under the same load. TPOT gain = frozen / adapted (above 1: adapting "
+              "made decoding faster). The same comparison runs live in production: ae_loop_tpot_gain in /metrics.",
               "- Time to adapt: from the drift's onset (the second phase's start) to the first candidate the trainer "
               "wrote and to the first promotion. Recovered fraction = (adapted - frozen) / (frozen before drift - "
               "frozen after adaptation), accept length on the same requests: the share of the drift's drop won back.",

@@ -58,6 +58,8 @@ class RequestResult:
     tokens_per_s: float = 0.0
     captured: str = ""
     by_context: tuple[tuple[str, int, int], ...] = ()  # the response's (context bucket, verify steps, accepted drafts)
+    arm: str = "served"  # "holdback": the replica decoded it with the frozen baseline head (serving.holdback_fraction)
+    tpot_s: float = 0.0  # the response's time per output token after the first
 
 
 # ---- prompt pools ---------------------------------------------------------------------------------
@@ -277,7 +279,8 @@ class Traffic:
                              accept_length=float(spec.get("accept_length", 0.0)),
                              verify_steps=int(spec.get("verify_steps", 0)),
                              tokens_per_s=float(spec.get("tokens_per_s", 0.0)), captured=str(spec.get("captured", "")),
-                             by_context=tuple((str(b), int(n), int(a)) for b, n, a in spec.get("by_context") or ()))
+                             by_context=tuple((str(b), int(n), int(a)) for b, n, a in spec.get("by_context") or ()),
+                             arm=str(spec.get("arm", "served")), tpot_s=float(spec.get("tpot_s", 0.0)))
 
 
 __all__ = ["Prompt", "PromptCycle", "RequestResult", "SESSIONS", "SessionTurns", "Traffic", "bench_module", "jsonl_pools",

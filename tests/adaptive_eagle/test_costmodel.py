@@ -139,3 +139,22 @@ def test_verify_cost_follows_the_context_length():
     c.observe(17, 60.0, 2064)  # 40 ms at the reference context
     assert c(17, 64) == pytest.approx(0.9 * 30.0 + 0.1 * 40.0)
     assert VerifyCost({1: 10.0})(1, 5000) == 10.0  # no slope measured: the context does not matter
+
+
+def test_the_plain_gate_decides_on_enough_steps_and_keeps_probing():
+    from adaptive_eagle.costmodel import PlainGate
+
+    g = PlainGate(min_steps=8, probe_every=4)
+    plain = 1 / 20.0  # tokens per ms of a plain step
+    for _ in range(7):  # speculative steps that lose (1 token in 30 ms)...
+        assert g.allow(plain)
+        g.observe(True, 1, 30.0)
+    assert g.allow(plain)  # ...but 7 steps decide nothing
+    g.observe(True, 1, 30.0)
+    decisions = [g.allow(plain) for _ in range(8)]
+    assert decisions == [False, False, False, True] * 2  # plain, probing every 4th step
+    for _ in range(4):  # plain steps measured faster than estimated: the gate uses them
+        g.observe(False, 1, 10.0)
+    for _ in range(20):  # the text turns predictable: probes win and speculation resumes
+        g.observe(True, 4, 30.0)
+    assert g.allow(plain) and g.allow(plain)

@@ -294,16 +294,17 @@ def test_a_request_that_speculation_slows_decodes_plainly_with_the_same_tokens()
     cfg = EngineConfig(depth=4, topk=4, num_draft_tokens=16, pinned_costs=costs, prompt_lookup=False,
                        suffix_drafting=False, calibration_dir="")
     prompt = [5, 9, 3, 17, 4, 11]
-    want = plain_greedy(target, prompt, 40)
+    want = plain_greedy(target, prompt, 64)
     steps = {}
     for gated in (True, False):
         engine = SpeculativeEngine(target, head, cfg)
         engine._head_pays = lambda state: True  # the head's own gate (binding.gate) would also back off
         if not gated:
             engine._speculates = lambda state: True
-        res = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=40))
-        assert res.token_ids == want and res.accept_length_mean < 1.5
+        res = engine.generate(prompt, SamplingParams(temperature=0, max_tokens=64))
+        assert res.token_ids == want[: len(res.token_ids)] and len(res.token_ids) >= 40
+        assert res.accept_length_mean < 1.5
         steps[gated] = [s.tree_size for s in res.steps]
     plain = sum(q == 0 for q in steps[True])
-    assert 0.6 * len(steps[True]) <= plain < len(steps[True])  # mostly plain, still probing
+    assert 0.5 * len(steps[True]) <= plain < len(steps[True])  # mostly plain after 8 measured steps, probing
     assert all(q > 0 for q in steps[False])
