@@ -332,7 +332,8 @@ class SpeculativeEngine:
             min_prob = cfg.min_path_prob
             if cfg.cost_aware:  # 0 until a rate has been measured
                 min_prob = max(min_prob, min_useful_prob(self.verify_cost.at(root_pos), budget, self.rate))
-            tree = draft_tree(binding.head, feed.cache, feed.root(cfg.prefill_block), root_pos, depth=cfg.depth, topk=cfg.topk,
+            root = feed.root(cfg.prefill_block)
+            tree = draft_tree(binding.head, feed.cache, root, root_pos, depth=cfg.depth, topk=cfg.topk,
                               budget=alloc["eagle"], min_path_prob=min_prob)
             eagle_paths, drafted = frozenset(tree.token_paths), True
         else:

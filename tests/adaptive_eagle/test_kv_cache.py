@@ -25,7 +25,8 @@ def _forward(model, ids, cache, start, mask=None, positions=None):
 def _a_tree(vocab: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     logits = lambda k: torch.log_softmax(torch.randn(k, vocab, generator=g), -1)  # noqa: E731
-    return build_tree(logits(1)[0], lambda toks, ids, parents: logits(toks.numel()), depth=3, topk=3, num_draft_tokens=9,
+    return build_tree(logits(1)[0], lambda toks, ids, parents: logits(toks.numel()), depth=3, topk=3,
+                      num_draft_tokens=9,
                       min_score=float("-inf"))
 
 
