@@ -376,7 +376,7 @@ def main() -> None:
     chosen = args.workload or ["all"]
     workloads = WORKLOADS if "all" in chosen else tuple(w for w in WORKLOADS if w in chosen)
     torch.manual_seed(0)
-    target = load_target(device=args.device, compute=args.compute)
+    target = load_target(device=args.device, compute=args.compute, prefill="auto")
     default_mode = mode_of(target.compute)
     modes = available_modes(target.device.type, checkpoint_dtype(target.path), fbgemm_fp16_available())
     targets = {m: target if m == default_mode else load_target(device=target.device, compute=m) for m in modes}
