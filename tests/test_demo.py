@@ -17,7 +17,7 @@ from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError, demo_sta
 from adaptive_eagle_cli.demo.control import ControlSample, StepCounts
 from adaptive_eagle_cli.demo.report import (adapt_line, helped_drifted_domain, latency_line, summary, table,
                                           time_to_adapt)
-from adaptive_eagle_cli.demo.run import pool_size
+from adaptive_eagle_cli.demo.run import failed_checks, pool_size
 from adaptive_eagle_cli.demo.traffic import (SESSIONS, Prompt, PromptCycle, RequestResult, SessionTurns, jsonl_pools,
                                             session_pool)
 from policies.log import PromotionEvent
@@ -195,6 +195,18 @@ def test_a_quick_demo_runs_the_loop_end_to_end(tmp_path):
     assert (out / "accept_length.png").stat().st_size > 10_000 and "| after adaptation | code |" in \
         (out / "report.md").read_text()
     assert "accept length by domain" in proc.stdout  # the plain (non-TTY) live view
+
+
+def test_every_exactness_check_fails_the_demo_and_is_named():
+    """Exit 0 only when every check passed; a differing frozen-head re-decode (lossless decoding) fails too."""
+    ok = {"requests": 40, "failed_requests": 0, "greedy_checks": {"mismatches": 0},
+          "control": {"frozen_text_differs": 0}, "replay_check": {"requests_differing": 0}}
+    assert failed_checks(ok) == []
+    assert failed_checks({**ok, "control": {"frozen_text_differs": 2}}) == [
+        "2 frozen-head re-decodes differ from the served text (greedy decoding is lossless for any head)"]
+    assert failed_checks({**ok, "replay_check": {"requests_differing": 1}, "failed_requests": 3}) == [
+        "3 requests failed", "1 requests whose replay differs from what serving measured"]
+    assert failed_checks({**ok, "requests": 0}) == ["no request finished"]
 
 
 def test_the_live_view_draws_a_panel_on_a_terminal_and_lines_elsewhere(tmp_path):

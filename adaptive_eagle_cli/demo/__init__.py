@@ -44,8 +44,8 @@ def demo(
     quick: bool = typer.Option(False, "--quick", help="a few-minute run: short answers, fast candidates (CI)"),
     max_tokens: Optional[int] = typer.Option(None, help="tokens per request (default 96; --quick 32)"),
     think: Optional[float] = typer.Option(None, help="seconds a client pauses between requests (default 1; --quick 0.5)"),
-    control_every: Optional[int] = typer.Option(None, help="decode every k-th request again with the frozen head "
-                                                "(its tokens/s) (default 4; --quick 3)"),
+    control_every: Optional[int] = typer.Option(None, help="decode every k-th request again in-process with the "
+                                                "frozen head: its text must equal the served one (default 6; --quick 3)"),
     greedy_checks: Optional[int] = typer.Option(None, help="responses checked against plain greedy decoding "
                                                 "(default 5; --quick 3)"),
     holdback: float = typer.Option(0.15, help="share of requests the replicas decode with the frozen shipped head "
@@ -60,8 +60,9 @@ def demo(
 ) -> None:
     """The main job: the whole loop on drifting traffic — serving, capture, near-line training, gated
     promotion — next to the frozen shipped head on the same requests. Writes report.md, summary.json,
-    accept_length.png and promotions.jsonl to --out. Exits non-zero when a request failed or a sampled
-    response differs from plain greedy decoding."""
+    accept_length.png and promotions.jsonl to --out. Exits non-zero when a request failed, a sampled
+    response differs from plain greedy decoding or from the frozen head's greedy decoding, or a replay is
+    inexact."""
     from adaptive_eagle.cli import SHIPPED_HEAD, fail
     from adaptive_eagle_cli.demo.config import DemoConfig, DemoConfigError
     from adaptive_eagle_cli.demo.run import run_demo
@@ -90,6 +91,9 @@ def demo(
                f"{s.get('drift_tpot_ms_adapted')} vs frozen {s.get('drift_tpot_ms_frozen')} ms (holdback arm, gain "
                f"{s.get('drift_tpot_gain')}); promotions {s['promotions']}, "
                f"failed requests {s['failed_requests']}, greedy mismatches {s['greedy_checks']['mismatches']}")
+    from adaptive_eagle_cli.demo.run import failed_checks
+    for what in failed_checks(s):
+        typer.secho(f"check failed: {what} (see the report's log)", fg="red", err=True)
     raise typer.Exit(outcome.exit_code)
 
 

@@ -27,7 +27,7 @@ from adaptive_eagle_cli.demo.view import LiveStats, LiveView, LogTail
 class DemoOutcome:
     summary: dict
     out: Path
-    exit_code: int  # 0: no failed request, every sampled response equal to plain greedy decoding, replay exact
+    exit_code: int  # 0: none of failed_checks(summary)
 
 
 def prompt_pools(cfg: DemoConfig, per_domain: int) -> dict:
@@ -242,11 +242,21 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
                  {"results": run.results, "counts": replays, "phases": run.phases, "events": tail.events,
                   "t0": run.t0, "title": f"accept length per domain: adapted stack vs frozen {run.frozen}",
                   "note": report.adapt_line(s)})
-    # replay exactness: the frozen column and the gate's test-then-train evidence are replays; on the requests the
-    # frozen head served itself a replay must give the accept lengths serving gave, else neither can be trusted
-    bad = (s["failed_requests"] > 0 or s["greedy_checks"]["mismatches"] > 0 or not run.results
-           or s["replay_check"]["requests_differing"] > 0)
-    return DemoOutcome(s, out, 1 if bad else 0)
+    return DemoOutcome(s, out, 1 if failed_checks(s) else 0)
 
 
-__all__ = ["DemoOutcome", "pool_size", "prompt_pools", "run_demo", "scenario_of"]
+def failed_checks(s: dict) -> list[str]:
+    """The demo's checks that failed, each named with its count (empty: exit 0). Replay exactness is among them:
+    the frozen column and the gate's test-then-train evidence are replays, so on the requests the frozen head
+    served itself a replay must give the accept lengths serving gave, else neither can be trusted."""
+    checks = [("requests", s["requests"] == 0, "no request finished"),
+              ("failed", s["failed_requests"], "requests failed"),
+              ("greedy", s["greedy_checks"]["mismatches"], "sampled responses differ from plain greedy decoding"),
+              ("control", s["control"]["frozen_text_differs"],
+               "frozen-head re-decodes differ from the served text (greedy decoding is lossless for any head)"),
+              ("replay", s["replay_check"]["requests_differing"],
+               "requests whose replay differs from what serving measured")]
+    return [f"{int(n)} {what}" if n is not True else what for _, n, what in checks if n]
+
+
+__all__ = ["DemoOutcome", "failed_checks", "pool_size", "prompt_pools", "run_demo", "scenario_of"]
