@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup demo test test-loaded test-fast bench rehearsal redis-server prometheus sglang-wheel clean
+.PHONY: setup demo test test-loaded test-fast bench exactness rehearsal redis-server prometheus sglang-wheel clean
 
 setup: $(STAMP)
 
@@ -59,10 +59,10 @@ test: setup redis-server prometheus sglang-wheel
 # CPU_ISA=avx2 also runs PyTorch's, oneDNN's and FBGEMM's AVX2 kernels on an AVX-512 machine (an AVX2-only CPU's
 # kernels; /proc/cpuinfo still lists the machine's own flags)
 CPU_ISA ?=
+ISA_ENV = $(if $(CPU_ISA),ATEN_CPU_CAPABILITY=$(CPU_ISA) ONEDNN_MAX_CPU_ISA=$(shell echo $(CPU_ISA) | tr a-z A-Z) \
+	  FBGEMM_ENABLE_INSTRUCTIONS=$(shell echo $(CPU_ISA) | tr a-z A-Z))
 test-loaded: setup redis-server prometheus sglang-wheel
-	$(if $(CPU_ISA),ATEN_CPU_CAPABILITY=$(CPU_ISA) ONEDNN_MAX_CPU_ISA=$(shell echo $(CPU_ISA) | tr a-z A-Z) \
-	  FBGEMM_ENABLE_INSTRUCTIONS=$(shell echo $(CPU_ISA) | tr a-z A-Z)) \
-	  SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-cpu-hog.sh ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(ISA_ENV) SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-cpu-hog.sh ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # between edits: the suite without the slow tests (the real SmolLM2 target, Ray, real data; tests/conftest.py marks
 # every test that takes the smollm2 or ray_session fixture), Redis started, at most 120 s a test
@@ -71,6 +71,10 @@ test-fast: setup redis-server
 
 bench: setup
 	$(PY) bench/train.py --quick
+
+# greedy speculative == plain greedy on held-out prompts at 128 tokens, in the mode measured here (CPU_ISA as above)
+exactness: setup
+	$(ISA_ENV) $(PY) bench/exactness.py $(EXACTNESS_ARGS)
 
 # the production rehearsal: ops/prod.yaml on this machine under drifting traffic and injected faults
 # (bench/rehearsal.py; --quick takes ~21 minutes on 2 cores). The full run: REHEARSAL_ARGS="--minutes 50 --out DIR"
