@@ -626,19 +626,33 @@ def rollback_check(previous_baseline: Sequence[RequestSample], live_after_promot
                               "no baseline to compare the tail with.", ev)
     ev.update(cmp.as_dict())
     what, val, gain = _units(cmp)
+    tpot = _tpot_note(previous_baseline, live, ev) if cmp.metric != "tpot_s" else ""
     if cmp.ci_high < -config.rollback_margin * abs(cmp.tail_champion):
         return Decision(ROLLBACK, f"{what} fell from {val(cmp.tail_champion)} to {val(cmp.tail_candidate)}, "
                                   f"interval [{gain(cmp.ci_low)}, {gain(cmp.ci_high)}] wholly below the "
-                                  f"{config.rollback_margin:.0%} margin.", ev)
+                                  f"{config.rollback_margin:.0%} margin{tpot}.", ev)
     # what this window could see: a fall past the margin by more than half the interval's width puts the whole
     # interval below the margin (a fall nearer the margin could pass unseen)
     detectable = config.rollback_margin * abs(cmp.tail_champion) + (cmp.ci_high - cmp.ci_low) / 2
     ev["detectable_fall"] = detectable
     return Decision(HOLD, f"watch passed: {what} {val(cmp.tail_champion)} -> {val(cmp.tail_candidate)} over {n} "
                           f"requests, interval [{gain(cmp.ci_low)}, {gain(cmp.ci_high)}] not wholly below the "
-                          f"{config.rollback_margin:.0%} margin. At this size it could detect a fall of about "
+                          f"{config.rollback_margin:.0%} margin{tpot}. At this size it could detect a fall of about "
                           f"{val(detectable) if cmp.metric != 'tpot_s' else gain(detectable)} or more "
                           f"({detectable / abs(cmp.tail_champion):.0%}); a smaller one could pass unseen.", ev)
+
+
+def _tpot_note(before: Sequence[RequestSample], after: Sequence[RequestSample], ev: dict) -> str:
+    """The time-per-token effect next to the accept-length one: median TPOT of the previous champion's live
+    requests and of the new champion's ("" when either side has fewer than 2 timed). A description, not a test:
+    the two sides ran one after the other, under whatever load each met (the holdback arm measures it at the
+    same time: ae_loop_tpot_gain)."""
+    med = [float(np.median(v)) if len(v := [s.tpot_s for s in side if s.tpot_s is not None and np.isfinite(s.tpot_s)])
+           >= 2 else None for side in (before, after)]
+    if None in med:
+        return ""
+    ev["median_tpot_before"], ev["median_tpot_after"] = med
+    return f"; median TPOT {1000 * med[0]:.1f} -> {1000 * med[1]:.1f} ms (before vs after: not a test, the load differs)"
 
 
 def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[RequestSample],

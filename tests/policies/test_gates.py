@@ -233,6 +233,20 @@ def test_rollback_check_uses_the_latest_window():
     assert rollback_check(baseline, values[::-1], RCFG).action == ROLLBACK  # ordered by finished_at, not input
 
 
+def test_the_watch_line_says_the_time_per_token_effect_next_to_the_accept_length_one():
+    rng = np.random.default_rng(7)
+    base = [RequestSample(float(v), "v1", request_id=f"b{i}", tpot_s=0.030) for i, v in
+            enumerate(accept_lengths(rng, 300, shift=0.3, spread=0.3))]
+    after = [RequestSample(float(v), "v2", request_id=f"l{i}", tpot_s=0.025, finished_at=i) for i, v in
+             enumerate(accept_lengths(rng, 200, shift=0.3, spread=0.3))]
+    decision = rollback_check(base, after, RCFG)
+    assert decision.action == HOLD
+    assert "median TPOT 30.0 -> 25.0 ms (before vs after: not a test" in decision.reason
+    assert decision.evidence["median_tpot_after"] == pytest.approx(0.025)
+    untimed = [RequestSample(s.accept_length, "v2", request_id=s.request_id, finished_at=s.finished_at) for s in after]
+    assert "TPOT" not in rollback_check(base, untimed, RCFG).reason  # nothing timed: nothing said
+
+
 def test_rollback_against_plain_decoding_compares_wall_time():
     plain = timed(300, 40.0, 1.0, PLAIN, seed=5)
     slower = [RequestSample(1.4, "v1", request_id=s.request_id, tpot_s=s.tpot_s * 1.5, finished_at=i)
