@@ -59,7 +59,8 @@ def main() -> None:
     loaded = load_head(args.head, target, device=target.device)
     print(f"target compute: {target.compute}; {target.compute_choice.reason}", file=sys.stderr)
     plain = SpeculativeEngine(target, None, EngineConfig.plain())
-    engines = {"default": SpeculativeEngine(target, loaded.head, EngineConfig(calibration_dir=""), head_version=loaded.meta.version),
+    engines = {"default": SpeculativeEngine(target, loaded.head, EngineConfig(calibration_dir=""),
+                                            head_version=loaded.meta.version),
                "demo": SpeculativeEngine(target, loaded.head, EngineConfig(**DEMO_ENGINE),
                                          head_version=loaded.meta.version)}
     sets = prompt_sets(list(D.load_sharegpt()), args.prompts)

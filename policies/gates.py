@@ -652,7 +652,8 @@ def _tpot_note(before: Sequence[RequestSample], after: Sequence[RequestSample], 
     if None in med:
         return ""
     ev["median_tpot_before"], ev["median_tpot_after"] = med
-    return f"; median TPOT {1000 * med[0]:.1f} -> {1000 * med[1]:.1f} ms (before vs after: not a test, the load differs)"
+    return (f"; median TPOT {1000 * med[0]:.1f} -> {1000 * med[1]:.1f} ms (before vs after: not a test, the load "
+            "differs)")
 
 
 def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[RequestSample],

@@ -47,6 +47,7 @@ from serving.fleet import GatewayFleet, live_sample
 from serving.messages import Delta, Event, Finished, Refused, ServerStatus
 from serving.metrics import GatewayMetrics
 from serving.router import LocalReplica, NoReplica, QueueFull, Replica, Router
+from serving.tools import CallStream
 from serving.server import DecodeServer
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,8 @@ class Gateway:
             await stack.aclose()
             raise _error(first)
         if b.stream:
-            return StreamingResponse(self._sse(events, stack, req.request_id, chat, endpoint),
+            return StreamingResponse(self._sse(events, stack, req.request_id, chat, endpoint,
+                                               b.tool_spec if chat else None),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         async with stack:
             finished = None
@@ -214,8 +216,9 @@ class Gateway:
         if finished is None:
             raise api.ApiError(500, "the replica ended the request without a result", None, "server_error")
         self._record(endpoint, 200, finished)
-        make = api.chat_response if chat else api.completion_response
-        return JSONResponse(make(req.request_id, self.config.model_name, finished))
+        if chat:
+            return JSONResponse(api.chat_response(req.request_id, self.config.model_name, finished, b.tool_spec))
+        return JSONResponse(api.completion_response(req.request_id, self.config.model_name, finished))
 
     async def _open(self, req) -> ReplicaStream:
         """Lease a replica and read its first event. A replica that fails before producing any event has
@@ -291,19 +294,29 @@ class Gateway:
         return Refused(503, f"replica {replica.name} failed while serving this request ({type(error).__name__}); "
                             "retry the request", None, "replica_unavailable")
 
-    async def _sse(self, events, stack: AsyncExitStack, rid: str, chat: bool, endpoint: str):
+    async def _sse(self, events, stack: AsyncExitStack, rid: str, chat: bool, endpoint: str, tools=None):
         model = self.config.model_name
+        calls = CallStream(tools) if tools is not None and tools.active else None  # text split into tool calls
+        sent_calls = 0
         async with stack:
             if chat:
                 yield api.sse(api.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
             async for event in events:
-                if isinstance(event, Delta):
+                if isinstance(event, Delta) and calls is not None:
+                    for delta in api.tool_deltas(parsed := calls.feed(event.text), sent_calls):
+                        yield api.sse(api.chat_chunk(rid, model, delta))
+                    sent_calls += sum(k == "call" for k, _ in parsed)
+                elif isinstance(event, Delta):
                     yield api.sse(api.chat_chunk(rid, model, {"content": event.text}) if chat
                                   else api.completion_chunk(rid, model, event.text))
                 elif isinstance(event, Finished):
                     self._record(endpoint, 200, event)
-                    yield api.sse(api.chat_chunk(rid, model, {}, event) if chat
-                                  else api.completion_chunk(rid, model, "", event))
+                    if calls is not None:
+                        for delta in api.tool_deltas(parsed := calls.close(), sent_calls):
+                            yield api.sse(api.chat_chunk(rid, model, delta))
+                        sent_calls += sum(k == "call" for k, _ in parsed)
+                    yield api.sse(api.chat_chunk(rid, model, {}, event, "tool_calls" if sent_calls else None)
+                                  if chat else api.completion_chunk(rid, model, "", event))
                 elif isinstance(event, Refused):  # after the 200 went out: an error event, then the end
                     self._record(endpoint, event.status)
                     yield api.sse(_error(event).body())

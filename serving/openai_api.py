@@ -25,17 +25,19 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from serving import tools as T
 from serving.messages import SEED_MAX, SEED_MIN, DecodeRequest, Finished
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 UNSUPPORTED = {"logprobs": "logprobs are not returned", "top_logprobs": "logprobs are not returned",
-               "echo": "echo is not supported", "tools": "tool calls are not supported",
-               "functions": "function calls are not supported", "suffix": "suffix is not supported"}
+               "echo": "echo is not supported",
+               "functions": "the legacy functions field is not supported (send tools)",
+               "suffix": "suffix is not supported"}
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -91,13 +93,25 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[T.ToolCall]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = None  # tool: the call this message answers
 
 
 class ChatBody(_Body):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
+    tools: Optional[list[T.ToolDef]] = None
+    tool_choice: Optional[T.ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    _tools: Optional[T.ToolSpec] = PrivateAttr(None)  # checked by parse_chat; None: no tools given
+
+    @property
+    def tool_spec(self) -> Optional[T.ToolSpec]:
+        return self._tools
 
 
 class CompletionBody(_Body):
@@ -211,11 +225,25 @@ def parse_chat(body: dict, limit: int, default_max_tokens: int) -> tuple[ChatBod
     _check_ranges(b, max_tokens, limit)
     if not b.messages:
         raise ApiError(400, "messages must hold at least one message", "messages", "invalid_value")
+    try:
+        T.check_history(b.messages)
+        spec = T.check_tools(b.tools, b.tool_choice, b.parallel_tool_calls) if b.tools or b.tool_choice else None
+    except T.ToolError as e:
+        raise ApiError(400, e.message, e.param, "invalid_value") from None
+    b._tools = spec if spec is not None and spec.tools else None
+    kind = (b.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise ApiError(400, f"{kind!r} output must be constrained by a grammar, which this server does not do yet; "
+                            "only \"text\" is served (rather than answering free text a JSON parser would reject)",
+                       "response_format.type", "unsupported_parameter")
     msgs = []
-    for m in b.messages:
+    for i, m in enumerate(b.messages):
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-    return b, _decode_request(b, max_tokens, default_max_tokens, messages=tuple(msgs))
+        if m.role == "tool" and not text:
+            raise ApiError(400, "a tool message must carry the tool's result as content", f"messages.{i}.content",
+                           "invalid_value")
+        msgs.append(("system" if m.role == "developer" else m.role, text, m.tool_calls))
+    return b, _decode_request(b, max_tokens, default_max_tokens, messages=T.render(msgs, b._tools))
 
 
 def parse_completion(body: dict, limit: int, default_max_tokens: int) -> tuple[CompletionBody, DecodeRequest]:
@@ -239,10 +267,17 @@ def usage(f: Finished) -> dict:
             "total_tokens": f.prompt_tokens + f.completion_tokens}
 
 
-def chat_response(rid: str, model: str, f: Finished) -> dict:
+def chat_response(rid: str, model: str, f: Finished, tools: Optional[T.ToolSpec] = None) -> dict:
+    """The chat completion; with active tools, the answer's tool calls parsed out (finish_reason "tool_calls")."""
+    message: dict[str, Any] = {"role": "assistant", "content": f.text}
+    reason = f.finish_reason
+    if tools is not None and tools.active:
+        content, calls = T.parse(f.text, tools)
+        message["content"] = content
+        if calls:
+            message["tool_calls"], reason = calls, "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": f.text},
-                         "finish_reason": f.finish_reason, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
             "usage": usage(f), "adaptive_eagle": f.spec.to_json()}
 
 
@@ -252,12 +287,29 @@ def completion_response(rid: str, model: str, f: Finished) -> dict:
             "usage": usage(f), "adaptive_eagle": f.spec.to_json()}
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finished: Optional[Finished] = None) -> dict:
+def chat_chunk(rid: str, model: str, delta: dict, finished: Optional[Finished] = None,
+               finish_reason: Optional[str] = None) -> dict:
+    reason = (finish_reason or finished.finish_reason) if finished else None
     out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "delta": delta, "finish_reason": finished.finish_reason if finished else None,
-                        "logprobs": None}]}
+           "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
     if finished is not None:
         out["usage"], out["adaptive_eagle"] = usage(finished), finished.spec.to_json()
+    return out
+
+
+def tool_deltas(events: list, first_index: int) -> list[dict]:
+    """Chat deltas for CallStream events, as OpenAI streams tool calls: text as content; a call as one delta
+    with its index, id, type and name (empty arguments), then one with its arguments."""
+    out, index = [], first_index
+    for kind, value in events:
+        if kind == "text":
+            out.append({"content": value})
+            continue
+        fn = value["function"]
+        out.append({"tool_calls": [{"index": index, "id": value["id"], "type": "function",
+                                    "function": {"name": fn["name"], "arguments": ""}}]})
+        out.append({"tool_calls": [{"index": index, "function": {"arguments": fn["arguments"]}}]})
+        index += 1
     return out
 
 

@@ -1,0 +1,305 @@
+"""Tool calling on the chat endpoint, as the OpenAI API specifies it: `tools` (function tools with JSON-schema
+parameters), `tool_choice`, `parallel_tool_calls`, assistant messages carrying `tool_calls`, `tool` messages
+answering them, and `message.tool_calls` / streamed tool-call deltas in the response.
+
+Owns: checking a request's tools and tool history (a 400 naming the field), rendering tools and tool turns into
+plain chat messages for the target's chat template, and parsing the model's text back into tool calls, whole
+or as a stream. Must not touch: HTTP, replicas, engines (the replica sees ordinary role/content messages).
+
+Template ("hermes", the format vLLM's and SGLang's `hermes` tool-call parsers read, used by Qwen2.5 and Hermes
+models; SmolLM2's ChatML template has no tool support of its own, so tools are rendered here for it):
+- the tools go into the system message, one JSON object a line inside <tools></tools>, with the instruction
+  to answer a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>;
+- an assistant turn's tool calls are rendered the same way after its text;
+- `tool` messages become a user turn of <tool_response>...</tool_response> blocks (consecutive ones merged).
+The model's output is read back by the same rule: every complete <tool_call> block whose JSON names a given
+tool with an object of arguments is a call; anything else stays text. Whitespace around calls is formatting.
+
+Without a grammar the model may answer in text instead of calling; `tool_choice` "required" or a named
+function (which promise a call) are refused with a 400 until constrained decoding is available.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict
+
+MAX_TOOLS = 128
+MAX_TOOLS_BYTES = 64 << 10  # the tools' JSON, all together
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ToolError(ValueError):
+    """A request's tools or tool history were refused: `param` names the field, the message says why."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param, self.message = param, message
+
+
+# ---- request models (the chat body's fields) ---------------------------------------------------------
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the OpenAI API sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class ChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedChoice(BaseModel):
+    type: Literal["function"]
+    function: ChoiceFunction
+
+
+ToolChoice = Union[Literal["auto", "none", "required"], NamedChoice]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A request's tools once checked. choice: "auto" | "none" (no call parsed, none offered)."""
+
+    tools: tuple[dict, ...]  # {"type": "function", "function": {...}} as the client sent them (extras dropped)
+    choice: str
+    parallel: bool
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+
+def check_tools(tools: Optional[list[ToolDef]], choice: Optional[ToolChoice], parallel: Optional[bool]) -> ToolSpec:
+    """The request's ToolSpec, or a ToolError naming the field: names unique and well formed, parameters a JSON
+    Schema for an object, the whole under MAX_TOOLS and MAX_TOOLS_BYTES, a tool_choice that can be served."""
+    from jsonschema import SchemaError, validators
+
+    tools = list(tools or [])
+    if len(tools) > MAX_TOOLS:
+        raise ToolError("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    size = len(json.dumps(dumped))
+    if size > MAX_TOOLS_BYTES:
+        raise ToolError("tools", f"the tools' JSON is {size} bytes; at most {MAX_TOOLS_BYTES}")
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        name, params = t.function.name, t.function.parameters
+        if not NAME.match(name):
+            raise ToolError(f"tools.{i}.function.name", f"{name!r} is not a function name: 1-64 characters of "
+                                                        "a-z, A-Z, 0-9, _ and -")
+        if name in seen:
+            raise ToolError(f"tools.{i}.function.name", f"{name!r} is defined twice")
+        seen.add(name)
+        if params is not None:
+            try:
+                validators.validator_for(params).check_schema(params)
+            except SchemaError as e:
+                raise ToolError(f"tools.{i}.function.parameters", f"not a valid JSON Schema: {e.message}") from None
+            except Exception as e:  # noqa: BLE001 - an odd $schema (a list, an unknown URI's lookup) is bad input
+                raise ToolError(f"tools.{i}.function.parameters", f"not a valid JSON Schema: {type(e).__name__}: "
+                                                                  f"{e}") from None
+            if params.get("type", "object") != "object":
+                raise ToolError(f"tools.{i}.function.parameters", "must describe an object (\"type\": \"object\"): "
+                                                                  f"arguments are named, got type {params['type']!r}")
+    if isinstance(choice, NamedChoice):
+        if choice.function.name not in seen:
+            raise ToolError("tool_choice.function.name", f"no tool named {choice.function.name!r} (tools: "
+                                                          f"{', '.join(sorted(seen)) or 'none given'})")
+        raise ToolError("tool_choice", "a named function promises a call, which needs constrained decoding; "
+                                       "this server does not constrain output yet: use \"auto\"")
+    if choice == "required":
+        if not tools:
+            raise ToolError("tool_choice", "\"required\" needs tools")
+        raise ToolError("tool_choice", "\"required\" promises a call, which needs constrained decoding; this "
+                                       "server does not constrain output yet: use \"auto\"")
+    return ToolSpec(tuple(dumped), choice or "auto", True if parallel is None else bool(parallel))
+
+
+def check_history(messages: list) -> None:
+    """Every `tool` message answers a call an earlier assistant message made (tool_call_id), and carries text;
+    tool-call ids are unique."""
+    calls: set[str] = set()
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.tool_calls or []):
+            if m.role != "assistant":
+                raise ToolError(f"messages.{i}.tool_calls", "only assistant messages carry tool calls")
+            if call.id in calls:
+                raise ToolError(f"messages.{i}.tool_calls.{j}.id", f"{call.id!r} is used by an earlier call")
+            calls.add(call.id)
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise ToolError(f"messages.{i}.tool_call_id", "a tool message must name the call it answers")
+            if m.tool_call_id not in calls:
+                raise ToolError(f"messages.{i}.tool_call_id", f"{m.tool_call_id!r} matches no earlier tool call"
+                                                              f" (calls so far: {', '.join(sorted(calls)) or 'none'})")
+        elif m.tool_call_id is not None:
+            raise ToolError(f"messages.{i}.tool_call_id", "only tool messages answer a call")
+
+
+# ---- rendering ------------------------------------------------------------------------------------
+def system_block(spec: ToolSpec) -> str:
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in spec.tools)
+    once = "" if spec.parallel else " Call at most one function per turn."
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query." + once + "\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + lines +
+            "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def render_call(name: str, arguments: str) -> str:
+    try:
+        args: Any = json.loads(arguments)
+    except ValueError:
+        args = arguments  # what the client sent back, as text
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def render(messages: list[tuple[str, str, Any]], spec: Optional[ToolSpec]) -> tuple[dict[str, str], ...]:
+    """Chat messages (role, text, tool_calls or None) as role/content messages any ChatML-style template takes,
+    tools and tool turns written in the hermes format."""
+    out: list[dict[str, str]] = []
+    for role, text, calls in messages:
+        if role == "assistant" and calls:
+            parts = ([text] if text else []) + [render_call(c.function.name, c.function.arguments) for c in calls]
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+        elif role == "tool":
+            block = f"<tool_response>\n{text}\n</tool_response>"
+            if out and out[-1].get("_tool"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool": "1"})
+        else:
+            out.append({"role": role, "content": text})
+    out = [{"role": m["role"], "content": m["content"]} for m in out]
+    if spec is not None and spec.active:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system_block(spec)}
+        else:
+            out.insert(0, {"role": "system", "content": system_block(spec)})
+    return tuple(out)
+
+
+# ---- parsing ----------------------------------------------------------------------------------------
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class CallStream:
+    """The model's text, fed as it decodes, split into text to show and tool calls. `feed` and `close` return
+    events: ("text", str) or ("call", {"id", "type", "function": {"name", "arguments"}}). Text that could be the
+    start of a call is held back until it is known not to be; whitespace next to a call is dropped. Parsing a
+    whole text is feeding it once and closing (`parse`), so a stream assembles to the non-streamed answer."""
+
+    def __init__(self, spec: ToolSpec) -> None:
+        self.names, self.parallel = spec.names, spec.parallel
+        self.buf = ""  # undecided text: a partial OPEN, or a call not closed yet
+        self.space = ""  # whitespace held back: formatting if a call follows
+        self.calls = 0
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.buf += text
+        out: list[tuple[str, Any]] = []
+        while True:
+            start = self.buf.find(OPEN)
+            if start < 0:
+                keep = _partial_suffix(self.buf, OPEN)
+                self._text(self.buf[:len(self.buf) - keep], out)
+                self.buf = self.buf[len(self.buf) - keep:]
+                return out
+            self._text(self.buf[:start], out)
+            self.buf = self.buf[start:]
+            end = self.buf.find(CLOSE)
+            if end < 0:
+                return out
+            block, self.buf = self.buf[:end + len(CLOSE)], self.buf[end + len(CLOSE):]
+            call = self._call(block[len(OPEN):-len(CLOSE)])
+            if call is None:
+                self._text(block, out)
+            else:
+                self.space = ""  # formatting between text and a call
+                self.calls += 1
+                if self.parallel or self.calls == 1:
+                    out.append(("call", call))
+                self.buf = self.buf.lstrip()
+
+    def close(self) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        self._text(self.buf, out)  # an unclosed call is text
+        self.buf = ""
+        if self.space and not self.calls:
+            out.append(("text", self.space))
+        self.space = ""
+        return out
+
+    def _text(self, text: str, out: list) -> None:
+        if not text:
+            return
+        body = text.rstrip()
+        if not body:
+            self.space += text
+            return
+        out.append(("text", self.space + body))
+        self.space = text[len(body):]  # trailing whitespace waits: formatting if a call comes next
+
+    def _call(self, body: str) -> Optional[dict]:
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or obj.get("name") not in self.names:
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(args, dict):
+            return None
+        return {"id": new_call_id(), "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+def parse(text: str, spec: ToolSpec) -> tuple[Optional[str], list[dict]]:
+    """(content, calls) of a whole answer: content None when the answer is only calls."""
+    stream = CallStream(spec)
+    events = stream.feed(text) + stream.close()
+    content = "".join(v for k, v in events if k == "text")
+    calls = [v for k, v in events if k == "call"]
+    return (content or None) if calls else content, calls
+
+
+__all__ = ["CallStream", "MAX_TOOLS", "MAX_TOOLS_BYTES", "NamedChoice", "ToolCall", "ToolChoice", "ToolDef",
+           "ToolError", "ToolSpec", "check_history", "check_tools", "parse", "render"]

@@ -1,0 +1,246 @@
+"""Tool calling on the chat endpoint: the checks on tools and tool history (400s naming the field), the hermes
+rendering, the parser (whole answers and streams alike), and the gateway through the official openai client.
+
+The tiny word-level target cannot write a tool call, so the gateway tests use ScriptedReplica (test code): a real
+replica decodes each request, and its text is replaced by a script the test chose; it also keeps the request it
+was given, so the tests see what the template received."""
+
+import dataclasses
+import json
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.capture import CapturePolicy
+from serving.gateway import GatewayThread, create_app
+from serving.messages import Delta, Finished
+from serving.openai_api import ApiError, parse_chat
+from serving.router import LocalReplica
+from serving.server import DecodeServer
+from serving.tools import (MAX_TOOLS, CallStream, NamedChoice, ToolDef, ToolError, ToolSpec, check_tools, parse,
+                           render)
+from tests.serving.test_gateway import KEY, MODEL, config
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {
+    "expr": {"type": "string"}}}}}
+SPEC = ToolSpec((WEATHER, CALC), "auto", True)
+
+
+def call_text(name, args):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def body(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], **kw}
+
+
+# ---- checks ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tools, choice, param, words", [
+    ([{**WEATHER, "function": {**WEATHER["function"], "name": "bad name!"}}], None, "tools.0.function.name",
+     "not a function name"),
+    ([WEATHER, WEATHER], None, "tools.1.function.name", "defined twice"),
+    ([{**CALC, "function": {"name": "calc", "parameters": {"type": "object", "properties": 3}}}], None,
+     "tools.0.function.parameters", "not a valid JSON Schema"),
+    ([{**CALC, "function": {"name": "calc", "parameters": {"type": "string"}}}], None,
+     "tools.0.function.parameters", "must describe an object"),
+    ([{**CALC, "function": {"name": "calc", "parameters": {"$schema": [1], "type": "object"}}}], None,
+     "tools.0.function.parameters", "not a valid JSON Schema"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name",
+     "no tool named 'nope'"),
+    ([WEATHER], "required", "tool_choice", "constrained decoding"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice", "constrained decoding"),
+    ([CALC] * (MAX_TOOLS + 1), None, "tools", f"at most {MAX_TOOLS} tools"),
+])
+def test_bad_tools_and_choices_are_refused_naming_the_field(tools, choice, param, words):
+    with pytest.raises(ApiError) as err:
+        parse_chat(body(tools=tools, tool_choice=choice), 64, 16)
+    assert err.value.status == 400 and err.value.param == param and words in err.value.message
+
+
+@pytest.mark.parametrize("messages, param, words", [
+    ([{"role": "user", "content": "w5"}, {"role": "tool", "tool_call_id": "call_x", "content": "18C"}],
+     "messages.1.tool_call_id", "matches no earlier tool call"),
+    ([{"role": "tool", "content": "18C"}], "messages.0.tool_call_id", "must name the call"),
+    ([{"role": "user", "content": "w5", "tool_call_id": "call_x"}], "messages.0.tool_call_id", "only tool messages"),
+    ([{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "calc",
+                                                                                           "arguments": "{}"}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": ""}], "messages.1.content", "must carry the tool's result"),
+])
+def test_a_bad_tool_history_is_refused_naming_the_message(messages, param, words):
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": MODEL, "messages": messages, "tools": [CALC]}, 64, 16)
+    assert err.value.status == 400 and err.value.param == param and words in err.value.message
+
+
+def test_structured_output_is_refused_rather_than_ignored():
+    with pytest.raises(ApiError) as err:
+        parse_chat(body(response_format={"type": "json_object"}), 64, 16)
+    assert err.value.param == "response_format.type" and "grammar" in err.value.message
+    parse_chat(body(response_format={"type": "text"}), 64, 16)  # the default is served
+
+
+# ---- rendering -------------------------------------------------------------------------------------------
+def test_tools_and_tool_turns_render_as_chat_messages_any_template_takes():
+    b, req = parse_chat({"model": MODEL, "tools": [WEATHER, CALC], "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+        {"role": "tool", "tool_call_id": "c2", "content": "3C"}]}, 64, 16)
+    roles = [m["role"] for m in req.messages]
+    assert roles == ["system", "user", "assistant", "user"]  # the two tool results are one user turn
+    system = req.messages[0]["content"]
+    assert system.startswith("Be brief.\n\n# Tools") and json.dumps(WEATHER) in system and "<tool_call>" in system
+    assert req.messages[2]["content"] == (call_text("get_weather", {"city": "Paris"}) + "\n" +
+                                          call_text("get_weather", {"city": "Oslo"}))
+    assert req.messages[3]["content"] == "<tool_response>\n18C\n</tool_response>\n<tool_response>\n3C\n</tool_response>"
+    assert b.tool_spec.names == {"get_weather", "calc"}
+
+
+def test_tool_choice_none_offers_no_tools_and_parses_no_calls():
+    b, req = parse_chat(body(tools=[WEATHER], tool_choice="none"), 64, 16)
+    assert not b.tool_spec.active and all("# Tools" not in m["content"] for m in req.messages)
+    b, req = parse_chat(body(), 64, 16)
+    assert b.tool_spec is None and req.messages == ({"role": "user", "content": "w5"},)
+
+
+# ---- parsing ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, content, calls", [
+    ("Paris is sunny.", "Paris is sunny.", []),
+    (call_text("get_weather", {"city": "Paris"}), None, [("get_weather", {"city": "Paris"})]),
+    ("Let me check.\n" + call_text("get_weather", {"city": "Paris"}) + "\n" + call_text("calc", {"expr": "1+1"}),
+     "Let me check.", [("get_weather", {"city": "Paris"}), ("calc", {"expr": "1+1"})]),
+    ("<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),  # not a call: text
+    (call_text("unknown_tool", {}), call_text("unknown_tool", {}), []),
+    ("<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"expr\"", "<tool_call>\n{\"name\": \"calc\", "
+     "\"arguments\": {\"expr\"", []),  # cut off by max_tokens
+    ("a < b <tool_ and <tool_call", "a < b <tool_ and <tool_call", []),
+])
+def test_an_answer_is_split_into_text_and_calls(text, content, calls):
+    got_content, got = parse(text, SPEC)
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
+    assert len({c["id"] for c in got}) == len(got)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = call_text("calc", {"expr": "1"}) + call_text("calc", {"expr": "2"})
+    _, calls = parse(text, dataclasses.replace(SPEC, parallel=False))
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"expr": "1"}]
+
+
+PIECES = st.sampled_from(["Sure", " ", "\n", "<", "tool", "_call", ">", "</tool_call>", "<tool_call>",
+                          json.dumps({"name": "calc", "arguments": {"expr": "2*3"}}),
+                          json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}), "{", "x"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PIECES, max_size=14), st.data())
+def test_a_stream_assembles_to_the_whole_answer_however_it_is_cut(pieces, data):
+    text = "".join(pieces)
+    content, calls = parse(text, SPEC)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    stream, events = CallStream(SPEC), []
+    for a, b in zip([0] + cuts, cuts + [len(text)]):
+        events += stream.feed(text[a:b])
+    events += stream.close()
+    streamed_text = "".join(v for k, v in events if k == "text")
+    streamed = [v["function"] for k, v in events if k == "call"]
+    assert (streamed_text or None) == (content or None) if calls else streamed_text == content
+    assert streamed == [c["function"] for c in calls]
+
+
+def test_check_tools_defaults_to_auto_and_parallel_calls():
+    spec = check_tools([ToolDef.model_validate(WEATHER)], None, None)
+    assert spec.active and spec.parallel and spec.choice == "auto"
+    named = NamedChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
+    with pytest.raises(ToolError, match="constrained decoding"):
+        check_tools([ToolDef.model_validate(WEATHER)], named, None)
+
+
+# ---- through the gateway -------------------------------------------------------------------------------
+class ScriptedReplica(LocalReplica):
+    """A real replica whose text is replaced by `script` (test code: the tiny target cannot write calls)."""
+
+    def __init__(self, server, script: list[str]) -> None:
+        super().__init__(server)
+        self.script, self.requests = script, []
+
+    async def stream(self, request):
+        self.requests.append(request)
+        async for event in self.server.astream(request):
+            if isinstance(event, Delta):
+                continue
+            if isinstance(event, Finished):
+                for piece in self.script:
+                    yield Delta(piece)
+                event = dataclasses.replace(event, text="".join(self.script), finish_reason="stop")
+            yield event
+
+
+SCRIPT = ["I will", " look.\n<tool", "_call>\n", json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}),
+          "\n</tool_call>\n<tool_call>\n", json.dumps({"name": "calc", "arguments": {"expr": "6*7"}}), "\n</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def scripted(stack):
+    # the tools' JSON is hundreds of unknown words to the tiny word tokenizer
+    server = DecodeServer(stack.backend("v1", max_prompt_tokens=480), CapturePolicy(enabled=False), None,
+                          name="replica-0")
+    replica = ScriptedReplica(server, SCRIPT)
+    app = create_app(config(replicas=1, max_prompt_tokens=480), [replica])
+    thread = GatewayThread(app)
+    url = thread.start()
+    yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60), replica
+    thread.stop()
+    replica.server.close()
+
+
+def test_the_openai_client_gets_tool_calls_whole_and_streamed(scripted):
+    client, replica = scripted
+    args = dict(model=MODEL, messages=[{"role": "user", "content": "w5 w6"}], tools=[WEATHER, CALC],
+                temperature=0, max_tokens=8)
+    resp = client.chat.completions.create(**args)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will look."
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"}), ("calc", {"expr": "6*7"})]
+    assert "# Tools" in replica.requests[-1].messages[0]["content"]  # the tools reached the template
+
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assembled: dict[int, dict] = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            slot = assembled.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            slot["id"] = d.id or slot["id"]
+            slot["name"] = (d.function.name if d.function and d.function.name else slot["name"])
+            slot["arguments"] += (d.function.arguments or "") if d.function else ""
+    assert text == "I will look." and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(s["name"], json.loads(s["arguments"])) for _, s in sorted(assembled.items())] == calls
+    assert all(s["id"].startswith("call_") for s in assembled.values())
+
+    # the agent sends the calls and their results back: accepted, and rendered for the next turn
+    history = args["messages"] + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": "42"} for c in choice.message.tool_calls]
+    client.chat.completions.create(**{**args, "messages": history})
+    assert replica.requests[-1].messages[-1]["content"].count("<tool_response>") == 2
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**{**args, "messages": history[:1] + history[2:]})
+    assert err.value.body["param"] == "messages.1.tool_call_id"
+
+
+def test_without_tools_the_same_text_is_plain_content(scripted):
+    client, _ = scripted
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], temperature=0,
+                                          max_tokens=8)
+    assert resp.choices[0].finish_reason == "stop" and resp.choices[0].message.tool_calls is None
+    assert resp.choices[0].message.content == "".join(SCRIPT)
