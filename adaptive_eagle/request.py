@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # types only: this module stays torch-free
     import torch
 
     from adaptive_eagle.binding import HeadBinding
+    from adaptive_eagle.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class GenerationRequest:
     consent: bool = True
     generator: "torch.Generator | None" = None  # sampling randomness (None: torch's default generator)
     binding: "HeadBinding | None" = None  # decode with this prepared head (`engine.bind`) instead of the installed one
+    grammar: "Grammar | None" = None  # constrain the output (`engine.grammar(response_format)`): grammar.py
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
@@ -44,16 +46,16 @@ class GenerationRequest:
     @classmethod
     def of(cls, prompt, sampling: SamplingParams | None = None, stop: Sequence[str] | None = None,
            capture: bool = False, request_id: str = "req", generator=None, tenant: str = "default",
-           index_output: bool = True, binding=None) -> "GenerationRequest":
+           index_output: bool = True, binding=None, grammar=None) -> "GenerationRequest":
         """The engine's keyword API as a request (`prompt` may already be one: returned as it is, and then no
         other argument may be given). index_output=False: the request opted out (`consent`)."""
         if isinstance(prompt, GenerationRequest):
-            given = (sampling, stop, capture, request_id, generator, tenant, index_output, binding)
-            if given != (None, None, False, "req", None, "default", True, None):
+            given = (sampling, stop, capture, request_id, generator, tenant, index_output, binding, grammar)
+            if given != (None, None, False, "req", None, "default", True, None, None):
                 raise TypeError("pass either a GenerationRequest or keyword arguments, not both")
             return prompt
         return cls(prompt, sampling or SamplingParams(), tuple(stop or ()), capture, request_id, tenant,
-                   consent=index_output, generator=generator, binding=binding)
+                   consent=index_output, generator=generator, binding=binding, grammar=grammar)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ live sample report the head a request actually used. Backends that cannot hold t
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -195,7 +196,20 @@ class ReferenceBackend:
             prompt_fits = _fits(self.engine, n, replace(request.sampling(), max_tokens=1))
             raise RequestError(f"{e}; lower max_tokens" if prompt_fits else str(e),
                                "max_tokens" if prompt_fits else field, code="context_length_exceeded") from None
+        self._grammar(request)  # compiled (and cached) before the stream starts: a bad schema is a 400
         return ids
+
+    def _grammar(self, request: DecodeRequest):
+        """The compiled grammar of a constrained request (None: free text); a format it cannot serve is refused."""
+        if request.response_format is None:
+            return None
+        from adaptive_eagle.grammar import GrammarError
+
+        fmt = json.loads(request.response_format)
+        try:
+            return self.engine.grammar(fmt)
+        except (GrammarError, GenerationError) as e:  # a tool_call grammar comes from tool_choice
+            raise RequestError(str(e), "tool_choice" if fmt.get("type") == "tool_call" else "response_format") from None
 
     def _tokenize(self, text: str) -> list[int]:
         tok = self.engine.target.tokenizer
@@ -213,7 +227,8 @@ class ReferenceBackend:
                                                       else int(time.time_ns() % (1 << 62)))
         return GenerationRequest(prompt_ids, request.sampling(), request.stop, capture=capture and request.capture,
                                  request_id=request.request_id, tenant=request.tenant, domain=request.domain,
-                                 consent=request.capture, generator=generator, binding=self._binding_for(request))
+                                 consent=request.capture, generator=generator, binding=self._binding_for(request),
+                                 grammar=self._grammar(request))
 
     def stream(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> Iterator[BackendItem]:
         gen = self.generation_request(request, prompt_ids, capture)

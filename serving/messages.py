@@ -46,6 +46,8 @@ class DecodeRequest(BaseModel):
     domain: Optional[str] = Field(None, description="domain tag carried into the trace (code, math, ...)")
     capture: bool = Field(True, description="False: the request opted out; never stored, never indexed")
     head: Optional[str] = Field(None, description="routing only: the head version the caller asked for")
+    response_format: Optional[str] = Field(None, description="constrains the output: the OpenAI response_format "
+                                           "as JSON text (json_object or json_schema); None: free text")
 
     @field_validator("temperature")
     @classmethod
@@ -143,6 +145,7 @@ class ServerStatus:
     info: dict = field(default_factory=dict)  # the backend's info()
     pid: Optional[int] = None  # the replica's process (a new one after Ray restarted its actor)
     max_inflight: int = 1  # requests it decodes at once (its backend's capacity: 1 for the reference engine)
+    grammar_failed: int = 0  # constrained requests ended because their format could not go on (a 400)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -28,6 +28,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from adaptive_eagle.grammar import MAX_SCHEMA_BYTES
 from serving import tools as T
 from serving.messages import SEED_MAX, SEED_MIN, DecodeRequest, Finished
 
@@ -209,14 +210,15 @@ def _stops(stop) -> tuple[str, ...]:
     return stops
 
 
-def _decode_request(b: _Body, max_tokens: Optional[int], default_max_tokens: int, **prompt) -> DecodeRequest:
+def _decode_request(b: _Body, max_tokens: Optional[int], default_max_tokens: int, response_format=None,
+                    **prompt) -> DecodeRequest:
     meta = b.metadata or {}
     tenant = str(meta.get("tenant") or b.user or "default")
     return DecodeRequest(
         request_id=f"req-{uuid.uuid4().hex[:24]}", temperature=b.temperature, top_p=b.top_p, top_k=b.top_k,
         max_tokens=max_tokens or default_max_tokens, seed=b.seed, stop=_stops(b.stop), tenant=tenant,
         domain=str(meta["domain"]) if meta.get("domain") else None, capture=_flag(meta.get("capture", True)),
-        head=str(meta["head"]) if meta.get("head") else None, **prompt)
+        head=str(meta["head"]) if meta.get("head") else None, response_format=response_format, **prompt)
 
 
 def parse_chat(body: dict, limit: int, default_max_tokens: int) -> tuple[ChatBody, DecodeRequest]:
@@ -231,11 +233,12 @@ def parse_chat(body: dict, limit: int, default_max_tokens: int) -> tuple[ChatBod
     except T.ToolError as e:
         raise ApiError(400, e.message, e.param, "invalid_value") from None
     b._tools = spec if spec is not None and spec.tools else None
-    kind = (b.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ApiError(400, f"{kind!r} output must be constrained by a grammar, which this server does not do yet; "
-                            "only \"text\" is served (rather than answering free text a JSON parser would reject)",
-                       "response_format.type", "unsupported_parameter")
+    fmt = response_format(b.response_format)
+    if (call := T.call_format(b._tools)) is not None:
+        if fmt is not None:
+            raise ApiError(400, "a required or named tool call and a response_format cannot both constrain the "
+                                "answer: drop one", "response_format", "invalid_value")
+        fmt = json.dumps(call)
     msgs = []
     for i, m in enumerate(b.messages):
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
@@ -243,7 +246,41 @@ def parse_chat(body: dict, limit: int, default_max_tokens: int) -> tuple[ChatBod
             raise ApiError(400, "a tool message must carry the tool's result as content", f"messages.{i}.content",
                            "invalid_value")
         msgs.append(("system" if m.role == "developer" else m.role, text, m.tool_calls))
-    return b, _decode_request(b, max_tokens, default_max_tokens, messages=T.render(msgs, b._tools))
+    return b, _decode_request(b, max_tokens, default_max_tokens, messages=T.render(msgs, b._tools),
+                              response_format=fmt)
+
+
+def response_format(rf: Optional[dict]) -> Optional[str]:
+    """The request's response_format as the replica takes it (JSON text; None: free text), else a 400 naming the
+    field: "text", "json_object" (any JSON object) or "json_schema" with a JSON Schema under 64 KiB."""
+    from jsonschema import SchemaError, validators
+
+    kind = (rf or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "json_object"})
+    if kind != "json_schema":
+        raise ApiError(400, f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       "response_format.type", "invalid_value")
+    body = rf.get("json_schema")
+    if not isinstance(body, dict) or not isinstance(body.get("schema"), dict):
+        raise ApiError(400, "must hold a JSON Schema object as json_schema.schema", "response_format.json_schema",
+                       "invalid_value")
+    text = json.dumps({"type": "json_schema", "json_schema": {"schema": body["schema"],
+                                                               "strict": bool(body.get("strict"))}})
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise ApiError(400, f"the schema is {len(text)} bytes of JSON; at most {MAX_SCHEMA_BYTES}",
+                       "response_format.json_schema.schema", "invalid_value")
+    try:
+        validators.validator_for(body["schema"]).check_schema(body["schema"])
+    except SchemaError as e:
+        raise ApiError(400, f"not a valid JSON Schema: {e.message}", "response_format.json_schema.schema",
+                       "invalid_value") from None
+    except Exception as e:  # noqa: BLE001 - an odd $schema is bad input too
+        raise ApiError(400, f"not a valid JSON Schema: {type(e).__name__}: {e}", "response_format.json_schema.schema",
+                       "invalid_value") from None
+    return text
 
 
 def parse_completion(body: dict, limit: int, default_max_tokens: int) -> tuple[CompletionBody, DecodeRequest]:

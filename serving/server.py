@@ -31,6 +31,7 @@ from typing import AsyncIterator, Iterator, Optional
 
 from adaptive_eagle.binding import SwapResult
 from adaptive_eagle.engine import GenerationError
+from adaptive_eagle.grammar import GrammarError
 from adaptive_eagle.stopping import TextStream
 from adaptive_eagle.versions import version_label
 from serving.backend import Backend, BackendResult, RequestError, TokenChunk
@@ -110,7 +111,7 @@ class DecodeServer:
         self._swapper = ThreadPoolExecutor(1, thread_name_prefix=f"swap-{name}", initializer=lower_priority)
         self._lock = threading.Lock()
         self._c = {"running": 0, "waiting": 0, "served": 0, "refused": 0, "failed": 0, "cancelled": 0,
-                   "capture_dropped": 0}
+                   "capture_dropped": 0, "grammar_failed": 0}
 
     def _count(self, key: str, delta: int = 1) -> None:
         with self._lock:
@@ -158,6 +159,10 @@ class DecodeServer:
                         yield Delta(delta, item.token_ids)
                 elif isinstance(item, BackendResult):
                     result, clock.end = item, time.perf_counter()
+        except GrammarError as e:  # a constrained request's format cannot go on: ended, counted
+            self._count("grammar_failed")
+            yield Refused(400, f"response_format: {e}", "response_format")
+            return
         except (GenerationError, RequestError) as e:
             self._count("refused")
             yield Refused(400, str(e))
@@ -275,7 +280,8 @@ class DecodeServer:
         return ServerStatus(replica=self.name, head_version=self.backend.head_version, backend=self.backend.name,
                             running=c["running"], waiting=c["waiting"], served=c["served"], refused=c["refused"],
                             failed=c["failed"], cancelled=c["cancelled"], capture=capture, store=store,
-                            info=self.backend.info(), pid=os.getpid(), max_inflight=self.max_inflight)
+                            info=self.backend.info(), pid=os.getpid(), max_inflight=self.max_inflight,
+                            grammar_failed=c["grammar_failed"])
 
     def close(self) -> None:
         """Stop the decode threads (after the requests in flight), then the backend's resources; the writer

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import pickle
 from dataclasses import dataclass
 from typing import Optional
@@ -86,6 +87,14 @@ class SGLangProtocolError(SGLangError):
 
 
 # ---- /generate ------------------------------------------------------------------------------------
+def json_schema_of(response_format: dict) -> dict:
+    """The JSON schema an OpenAI response_format asks for (json_object: any object), as SamplingParams.json_schema
+    takes it."""
+    if response_format.get("type") == "json_object":
+        return {"type": "object"}
+    return (response_format.get("json_schema") or {}).get("schema") or {}
+
+
 def generate_body(request: DecodeRequest, prompt_ids: list[int]) -> dict:
     """A streamed /generate for `request`. Fields: GenerateReqInput; sampling_params: SamplingParams."""
     sp = {"temperature": request.temperature, "top_p": request.top_p, "max_new_tokens": request.max_tokens}
@@ -95,6 +104,12 @@ def generate_body(request: DecodeRequest, prompt_ids: list[int]) -> dict:
         sp["sampling_seed"] = request.seed
     if request.stop:
         sp["stop"] = list(request.stop)  # SGLang stops there; the replica still cuts the text itself
+    if request.response_format is not None:  # SGLang's own grammar backend constrains it (xgrammar by default)
+        fmt = json.loads(request.response_format)
+        if fmt.get("type") == "tool_call":
+            raise RequestError("tool_choice: a required or named tool call is constrained on reference replicas "
+                               "only; on SGLang replicas use \"auto\"", "tool_choice")
+        sp["json_schema"] = json.dumps(json_schema_of(fmt))
     return {"rid": request.request_id, "input_ids": list(prompt_ids), "sampling_params": sp, "stream": True}
 
 

@@ -15,8 +15,9 @@ models; SmolLM2's ChatML template has no tool support of its own, so tools are r
 The model's output is read back by the same rule: every complete <tool_call> block whose JSON names a given
 tool with an object of arguments is a call; anything else stays text. Whitespace around calls is formatting.
 
-Without a grammar the model may answer in text instead of calling; `tool_choice` "required" or a named
-function (which promise a call) are refused with a 400 until constrained decoding is available.
+In "auto" the model may answer in text instead of calling; `tool_choice` "required" or a named function decode
+under a grammar (adaptive_eagle/grammar.py, `call_format`) that admits exactly one call whose arguments match the
+tool's schema, so the call always parses.
 """
 
 from __future__ import annotations
@@ -82,11 +83,13 @@ ToolChoice = Union[Literal["auto", "none", "required"], NamedChoice]
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """A request's tools once checked. choice: "auto" | "none" (no call parsed, none offered)."""
+    """A request's tools once checked. choice: "auto" | "none" (no call parsed, none offered) | "required" (one
+    call to any tool, constrained: call_format) | "function" (one call to `forced`, constrained)."""
 
     tools: tuple[dict, ...]  # {"type": "function", "function": {...}} as the client sent them (extras dropped)
     choice: str
     parallel: bool
+    forced: Optional[str] = None  # the function a named tool_choice calls
 
     @property
     def names(self) -> frozenset[str]:
@@ -129,18 +132,28 @@ def check_tools(tools: Optional[list[ToolDef]], choice: Optional[ToolChoice], pa
             if params.get("type", "object") != "object":
                 raise ToolError(f"tools.{i}.function.parameters", "must describe an object (\"type\": \"object\"): "
                                                                   f"arguments are named, got type {params['type']!r}")
+    parallel = True if parallel is None else bool(parallel)
     if isinstance(choice, NamedChoice):
         if choice.function.name not in seen:
             raise ToolError("tool_choice.function.name", f"no tool named {choice.function.name!r} (tools: "
                                                           f"{', '.join(sorted(seen)) or 'none given'})")
-        raise ToolError("tool_choice", "a named function promises a call, which needs constrained decoding; "
-                                       "this server does not constrain output yet: use \"auto\"")
-    if choice == "required":
-        if not tools:
-            raise ToolError("tool_choice", "\"required\" needs tools")
-        raise ToolError("tool_choice", "\"required\" promises a call, which needs constrained decoding; this "
-                                       "server does not constrain output yet: use \"auto\"")
-    return ToolSpec(tuple(dumped), choice or "auto", True if parallel is None else bool(parallel))
+        return ToolSpec(tuple(dumped), "function", parallel, choice.function.name)
+    if choice == "required" and not tools:
+        raise ToolError("tool_choice", "\"required\" needs tools")
+    return ToolSpec(tuple(dumped), choice or "auto", parallel)
+
+
+def call_format(spec: Optional[ToolSpec]) -> Optional[dict]:
+    """The grammar a call-promising tool_choice decodes under (adaptive_eagle/grammar.py's "tool_call"): exactly
+    one call, in the hermes format, to any tool ("required") or to the named one, its arguments matching the
+    tool's parameters. None for "auto" and "none"."""
+    if spec is None or spec.choice not in ("required", "function"):
+        return None
+    options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                 "arguments": t["function"].get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for t in spec.tools if spec.choice == "required" or t["function"]["name"] == spec.forced]
+    return {"type": "tool_call", "json_schema": {"schema": options[0] if len(options) == 1 else {"anyOf": options}}}
 
 
 def check_history(messages: list) -> None:
@@ -302,4 +315,4 @@ def parse(text: str, spec: ToolSpec) -> tuple[Optional[str], list[dict]]:
 
 
 __all__ = ["CallStream", "MAX_TOOLS", "MAX_TOOLS_BYTES", "NamedChoice", "ToolCall", "ToolChoice", "ToolDef",
-           "ToolError", "ToolSpec", "check_history", "check_tools", "parse", "render"]
+           "ToolError", "ToolSpec", "call_format", "check_history", "check_tools", "parse", "render"]

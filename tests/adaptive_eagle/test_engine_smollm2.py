@@ -46,3 +46,51 @@ def test_smollm2_greedy_equals_plain(fp32_setup, tree):
         tokens += len(a.token_ids)
         assert a.trace.head_version == version
     assert tokens / max(1, steps) > 1.1  # the shipped head gets drafts accepted
+
+
+JSON_FORMATS = [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                         "population": {"type": "integer"}},
+        "required": ["city", "country", "population"], "additionalProperties": False}}},
+    {"type": "json_schema", "json_schema": {"name": "review", "schema": {
+        "type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                                         "score": {"type": "number"}, "tags": {"type": "array",
+                                                                               "items": {"type": "string"}}},
+        "required": ["sentiment", "score"]}}},
+]
+JSON_PROMPTS = ["Give me a JSON object describing Paris.", "Describe Tokyo as JSON.",
+                "Review this movie as JSON: a slow but beautiful film about the sea.",
+                "Return JSON about the city of Lagos.", "Summarise as JSON: the product broke after two days.",
+                "Output a JSON record for Berlin, Germany.", "JSON please: a short review of a great pizza place.",
+                "Give a JSON description of Sydney."]
+
+
+@pytest.mark.slow
+def test_smollm2_constrained_greedy_equals_constrained_plain_and_parses(fp32_setup):
+    """The real tokenizer (byte-level BPE) under a grammar: 24 prompt x format pairs, speculative == plain token
+    for token, and every answer that ended parses as JSON of its format."""
+    import json
+
+    import jsonschema
+
+    target, head, version = fp32_setup
+    spec = SpeculativeEngine(target, head, EngineConfig(calibration_dir="", pinned_costs=PinnedCosts.flat()),
+                             head_version=version)
+    plain = SpeculativeEngine(target, None, EngineConfig.plain())
+    sp = SamplingParams(max_tokens=48)
+    steps = tokens = ended = 0
+    for fmt in JSON_FORMATS:
+        g_spec, g_plain = spec.grammar(fmt), plain.grammar(fmt)
+        for p in JSON_PROMPTS:
+            a, b = spec.generate(p, sp, grammar=g_spec), plain.generate(p, sp, grammar=g_plain)
+            assert a.token_ids == b.token_ids, (fmt, p, a.text, b.text)
+            steps, tokens = steps + len(a.steps), tokens + len(a.token_ids)
+            if a.finish_reason == "stop":
+                ended += 1
+                value = json.loads(a.text)
+                schema = fmt.get("json_schema", {}).get("schema", {"type": "object"})
+                jsonschema.validate(value, schema)
+    assert ended >= 12  # most answers close their JSON within 48 tokens
+    assert tokens / max(1, steps) > 1.1  # drafts inside the grammar are accepted

@@ -19,8 +19,7 @@ from serving.messages import Delta, Finished
 from serving.openai_api import ApiError, parse_chat
 from serving.router import LocalReplica
 from serving.server import DecodeServer
-from serving.tools import (MAX_TOOLS, CallStream, NamedChoice, ToolDef, ToolError, ToolSpec, check_tools, parse,
-                           render)
+from serving.tools import MAX_TOOLS, CallStream, NamedChoice, ToolDef, ToolSpec, call_format, check_tools, parse
 from tests.serving.test_gateway import KEY, MODEL, config
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
@@ -52,8 +51,7 @@ def body(**kw):
      "tools.0.function.parameters", "not a valid JSON Schema"),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name",
      "no tool named 'nope'"),
-    ([WEATHER], "required", "tool_choice", "constrained decoding"),
-    ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice", "constrained decoding"),
+    ([], "required", "tool_choice", "needs tools"),
     ([CALC] * (MAX_TOOLS + 1), None, "tools", f"at most {MAX_TOOLS} tools"),
 ])
 def test_bad_tools_and_choices_are_refused_naming_the_field(tools, choice, param, words):
@@ -77,11 +75,29 @@ def test_a_bad_tool_history_is_refused_naming_the_message(messages, param, words
     assert err.value.status == 400 and err.value.param == param and words in err.value.message
 
 
-def test_structured_output_is_refused_rather_than_ignored():
+@pytest.mark.parametrize("fmt, param, words", [
+    ({"type": "yaml"}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ({"type": "json_schema"}, "response_format.json_schema", "JSON Schema object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}},
+     "response_format.json_schema.schema", "not a valid JSON Schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["x" * 70000]}}},
+     "response_format.json_schema.schema", "at most"),
+])
+def test_a_bad_response_format_is_refused_naming_the_field(fmt, param, words):
     with pytest.raises(ApiError) as err:
-        parse_chat(body(response_format={"type": "json_object"}), 64, 16)
-    assert err.value.param == "response_format.type" and "grammar" in err.value.message
-    parse_chat(body(response_format={"type": "text"}), 64, 16)  # the default is served
+        parse_chat(body(response_format=fmt), 64, 16)
+    assert err.value.status == 400 and err.value.param == param and words in err.value.message
+
+
+def test_a_response_format_reaches_the_replica_as_the_grammar_to_serve():
+    assert parse_chat(body(response_format={"type": "text"}), 64, 16)[1].response_format is None
+    _, req = parse_chat(body(response_format={"type": "json_object"}), 64, 16)
+    assert json.loads(req.response_format) == {"type": "json_object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    _, req = parse_chat(body(response_format={"type": "json_schema", "json_schema": {
+        "name": "a", "strict": True, "schema": schema}}), 64, 16)
+    assert json.loads(req.response_format) == {"type": "json_schema", "json_schema": {"schema": schema,
+                                                                                        "strict": True}}
 
 
 # ---- rendering -------------------------------------------------------------------------------------------
@@ -160,10 +176,23 @@ def test_a_stream_assembles_to_the_whole_answer_however_it_is_cut(pieces, data):
 
 def test_check_tools_defaults_to_auto_and_parallel_calls():
     spec = check_tools([ToolDef.model_validate(WEATHER)], None, None)
-    assert spec.active and spec.parallel and spec.choice == "auto"
-    named = NamedChoice.model_validate({"type": "function", "function": {"name": "get_weather"}})
-    with pytest.raises(ToolError, match="constrained decoding"):
-        check_tools([ToolDef.model_validate(WEATHER)], named, None)
+    assert spec.active and spec.parallel and spec.choice == "auto" and call_format(spec) is None
+
+
+def test_required_and_named_choices_decode_under_a_one_call_grammar():
+    tools = [ToolDef.model_validate(WEATHER), ToolDef.model_validate(CALC)]
+    named = check_tools(tools, NamedChoice.model_validate({"type": "function", "function": {"name": "calc"}}), None)
+    fmt = call_format(named)
+    assert fmt["type"] == "tool_call" and fmt["json_schema"]["schema"]["properties"]["name"] == {"const": "calc"}
+    assert fmt["json_schema"]["schema"]["properties"]["arguments"] == CALC["function"]["parameters"]
+    required = call_format(check_tools(tools, "required", False))
+    assert [o["properties"]["name"]["const"] for o in required["json_schema"]["schema"]["anyOf"]] == [
+        "get_weather", "calc"]
+    _, req = parse_chat(body(tools=[WEATHER, CALC], tool_choice="required"), 64, 16)
+    assert json.loads(req.response_format) == required
+    with pytest.raises(ApiError) as err:
+        parse_chat(body(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), 64, 16)
+    assert err.value.param == "response_format" and "cannot both" in err.value.message
 
 
 # ---- through the gateway -------------------------------------------------------------------------------
@@ -236,6 +265,22 @@ def test_the_openai_client_gets_tool_calls_whole_and_streamed(scripted):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**{**args, "messages": history[:1] + history[2:]})
     assert err.value.body["param"] == "messages.1.tool_call_id"
+
+
+def test_a_format_the_models_tokenizer_cannot_spell_is_a_400_before_decoding(scripted):
+    client, _ = scripted  # the tiny word-level tokenizer has no token that starts a JSON object
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=8,
+                                       response_format={"type": "json_object"})
+    assert err.value.body["param"] == "response_format" and "cannot write it" in err.value.body["message"]
+
+
+def test_a_required_call_the_tokenizer_cannot_spell_is_a_400_before_decoding(scripted):
+    client, _ = scripted
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=8,
+                                       tools=[CALC], tool_choice="required")
+    assert err.value.body["param"] == "tool_choice" and "cannot write it" in err.value.body["message"]
 
 
 def test_without_tools_the_same_text_is_plain_content(scripted):
