@@ -33,7 +33,8 @@ def upstream() -> Upstream:
 
 def bodies() -> dict[str, list[dict]]:
     """Every body the protocol module builds, by endpoint name, with every optional field present."""
-    req = DecodeRequest(request_id="r", prompt=(1, 2), temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=("x",))
+    req = DecodeRequest(request_id="r", prompt=(1, 2), temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=("x",),
+                        response_format='{"type": "json_object"}')
     tensors = {"fc.weight": torch.zeros(2, 2), "d2t": torch.zeros(2, dtype=torch.int64)}
     return {"generate": [generate_body(req, [1, 2]), warmup_body([1], "w")], "begin_update": [begin_update_body()],
             "tensor_update": tensor_update_bodies(tensors, "v2", tp_size=2, max_bytes=8),
