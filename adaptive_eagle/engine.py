@@ -610,7 +610,7 @@ class SpeculativeEngine:
             compute=state.binding.compute, lossless=state.binding.lossless,
         )
         return GenerationResult(text, list(generated), state.stops.finish, trace, time.perf_counter() - state.t0,
-                                state.steps, shown)
+                                state.steps, shown, state.constraint.mask_s if state.constraint is not None else 0.0)
 
 
 def _unpack_head(head, version: str | None) -> tuple[Eagle3DraftHead | None, str | None, dict | None]:

@@ -75,6 +75,7 @@ class GenerationResult:
     elapsed_s: float
     steps: list[VerifyStep] = field(default_factory=list)
     output_text: str = ""  # `text` cut at its first stop string: what a client is shown
+    constraint_s: float = 0.0  # seconds the grammar's pruning and masks took (a constrained request)
 
     @property
     def head_version(self) -> str | None:

@@ -16,7 +16,10 @@ suffix index; rows there: the plain baselines, HF prompt lookup and the engine's
 (long multi-turn agent sessions, `bench/sessions.py`: held-out chat and tool sessions replayed turn by
 turn with plain greedy decoding, so every request carries the whole history and the target's own
 earlier answers; the requests benchmarked are spread over the sessions' context lengths, up to the
-target's context; rows as for agent). Each
+target's context; rows as for agent) and json (structured outputs: held-out questions under two strict JSON
+schemas and JSON mode, `bench/workloads.json_prompts`; every row constrained by the same grammar, the engine's
+through adaptive_eagle/grammar.py and HF generate() through xgrammar's own HF logits processor; the engine's
+mask time per output token is reported). Each
 engine row owns its engine (its own suffix index) and engines are built afresh per workload;
 calibration persistence is off, so rows do not feed each other and runs repeat.
 
@@ -56,7 +59,7 @@ from trainer import data as D  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-english-v2"
 DEFAULT_ROW = "tree+lookup"  # the engine's default configuration
-WORKLOADS = ("english", "repetitive", "agent", "sessions")
+WORKLOADS = ("english", "repetitive", "agent", "sessions", "json")
 SESSION_CHARS = 16000  # characters of context a session grows to (about 4k tokens): bench/sessions.py
 
 
@@ -85,11 +88,16 @@ def engine_config(**kw) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in kw.items() if k in known})
 
 
-def hf_generate(target, ids, max_new, lookup: int | None) -> tuple[list[int], float]:
+def hf_generate(target, ids, max_new, lookup: int | None, grammar=None) -> tuple[list[int], float]:
     """HF generate() as a user runs it: the kernels at the row counts it calls them with (raw_rows), not padded
-    to the row counts exactness needs (cpu_linear.py), so the baseline is not slowed by our exactness."""
+    to the row counts exactness needs (cpu_linear.py), so the baseline is not slowed by our exactness. grammar
+    (adaptive_eagle.grammar.Grammar): constrained by xgrammar's own logits processor for HF, as a user would."""
     x = torch.tensor([ids], device=target.device)
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if grammar is not None:
+        from xgrammar.contrib.hf import LogitsProcessor
+
+        kw["logits_processor"] = [LogitsProcessor(grammar.compiled)]
     clock = _FirstToken()
     with raw_rows():
         out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
@@ -99,12 +107,12 @@ def hf_generate(target, ids, max_new, lookup: int | None) -> tuple[list[int], fl
 
 @dataclass
 class Row:
-    """One method in one compute mode; run(ids, max_new) -> (tokens, accept length or None, seconds to the first
-    token)."""
+    """One method in one compute mode; run(ids, max_new, response_format or None) -> (tokens, accept length or
+    None, seconds to the first token, seconds spent on the grammar's masks)."""
 
     name: str
     mode: str
-    run: Callable[[list[int], int], tuple[list[int], float | None, float]]
+    run: Callable[[list[int], int, dict | None], tuple[list[int], float | None, float, float]]
     plain: bool = False  # a non-speculative row: a baseline candidate
     speculative: bool = False  # an engine row with drafting (counted in the headline mismatches)
     tokens: int = 0
@@ -112,17 +120,29 @@ class Row:
     accept: list[float] = field(default_factory=list)
     ttft: list[float] = field(default_factory=list)  # per request: seconds to the first token (the prefill)
     tpot: list[float] = field(default_factory=list)  # per request: seconds per output token after the first
+    mask_s: float = 0.0  # the grammar's mask and pruning time (constrained engine rows)
     mismatch_same: int = 0
     mismatch_exact: int | None = None
 
 
 def _engine_run(engine: SpeculativeEngine):
-    def run(ids, max_new):
+    def run(ids, max_new, fmt=None):
+        grammar = engine.grammar(fmt) if fmt is not None else None  # compiled once per format (cached)
         t0, first, res = time.perf_counter(), None, None
-        for toks, res in engine.stream(ids, SamplingParams(max_tokens=max_new)):
+        for toks, res in engine.stream(ids, SamplingParams(max_tokens=max_new), grammar=grammar):
             if toks and first is None:
                 first = time.perf_counter() - t0
-        return res.token_ids, res.accept_length_mean, first if first is not None else time.perf_counter() - t0
+        return (res.token_ids, res.accept_length_mean, first if first is not None else time.perf_counter() - t0,
+                res.constraint_s)
+
+    return run
+
+
+def _hf_run(target, lookup: int | None, grammars: SpeculativeEngine):
+    """HF generate() rows; `grammars`: an engine on the same tokenizer whose compiled formats they reuse."""
+    def run(ids, max_new, fmt=None):
+        toks, first = hf_generate(target, ids, max_new, lookup, grammars.grammar(fmt) if fmt is not None else None)
+        return toks, None, first, 0.0
 
     return run
 
@@ -145,28 +165,25 @@ class _FirstToken:
 def build_rows(workload: str, targets: dict, default_mode: str, head, version: str | None, tree: dict) -> list[Row]:
     """Fresh engines for one workload: plain engine + HF generate() per mode, then the speculative rows."""
     quiet = dict(calibration_dir="")  # no persisted calibration: rows independent, runs repeatable
-    rows = [Row(f"plain[{m}]", m, _engine_run(SpeculativeEngine(t, None, engine_config(
-        prompt_lookup=False, suffix_drafting=False, **quiet))), plain=True) for m, t in targets.items()]
-    rows += [Row(f"hf-generate[{m}]", m, (lambda t: lambda ids, n: _no_accept(hf_generate(t, ids, n, None)))(t),
-                 plain=True) for m, t in targets.items()]
+    plains = {m: SpeculativeEngine(t, None, engine_config(prompt_lookup=False, suffix_drafting=False, **quiet))
+              for m, t in targets.items()}
+    rows = [Row(f"plain[{m}]", m, _engine_run(e), plain=True) for m, e in plains.items()]
+    rows += [Row(f"hf-generate[{m}]", m, _hf_run(t, None, plains[m]), plain=True) for m, t in targets.items()]
     target = targets[default_mode]
-    rows.append(Row("hf-prompt-lookup", default_mode, lambda ids, n: _no_accept(hf_generate(target, ids, n, 10))))
+    if workload != "json":  # xgrammar's HF processor keeps one matcher per sequence: HF's assisted decoding breaks it
+        rows.append(Row("hf-prompt-lookup", default_mode, _hf_run(target, 10, plains[default_mode])))
 
     def spec(name, **kw):
         engine = SpeculativeEngine(target, head, engine_config(**{**tree, **quiet, **kw}), head_version=version)
         return Row(name, default_mode, _engine_run(engine), speculative=True)
 
-    if workload not in ("agent", "sessions"):
+    if workload not in ("agent", "sessions", "json"):
         rows.append(spec("chain", topk=1, num_draft_tokens=tree["depth"], prompt_lookup=False, suffix_drafting=False))
         rows.append(spec("tree", prompt_lookup=False, suffix_drafting=False))
     rows.append(spec(DEFAULT_ROW))
-    if workload not in ("agent", "sessions"):
+    if workload not in ("agent", "sessions", "json"):
         rows.append(spec(f"{DEFAULT_ROW}-fixed", cost_aware=False))
     return rows
-
-
-def _no_accept(out: tuple[list[int], float]) -> tuple[list[int], None, float]:
-    return out[0], None, out[1]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -187,14 +204,16 @@ def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, 
     """Run every row on every prompt (prompt-major, in order), then tabulate against the fastest plain row."""
     lengths = []
     for i, prompt in enumerate(prompts):
+        prompt, fmt = prompt if isinstance(prompt, tuple) else (prompt, None)  # json: (messages, response_format)
         ids = encode(prompt)
         lengths.append(len(ids))
         outputs: dict[str, list[int]] = {}
         for row in rows:
             t0 = time.perf_counter()
-            toks, accept, ttft = row.run(ids, max_new)
+            toks, accept, ttft, mask_s = row.run(ids, max_new, fmt)
             wall = time.perf_counter() - t0
             row.seconds += wall
+            row.mask_s += mask_s
             row.tokens += len(toks)
             row.ttft.append(ttft)
             if len(toks) > 1:
@@ -224,6 +243,7 @@ def run_set(name: str, prompts: list, rows: list[Row], encode, exact_mode: str, 
                          if r.tpot and tpot_base.tpot else None,
                          "ttft_ratio_vs_plain": round(statistics.median(r.ttft) / statistics.median(ttft_base.ttft), 3),
                          "accept_length_mean": round(statistics.mean(r.accept), 3) if r.accept else 1.0,
+                         "mask_ms_per_token": round(1e3 * r.mask_s / r.tokens, 3) if r.mask_s and r.tokens else None,
                          "mismatches": r.mismatch_same, "mismatches_vs_exact": r.mismatch_exact}
     print(f"\n{name}: {len(prompts)} prompts, {max_new} new tokens each; baseline = {baseline} "
           f"(the fastest plain decoding end to end; {tpot_base.name} per output token, {ttft_base.name} to the "
@@ -334,6 +354,10 @@ def load_prompts(workload: str, conversations, n: int, max_new: int = 128,
         return english_prompts(conversations, n)
     if workload == "repetitive":
         return code_rewrite_prompts(conversations, n)
+    if workload == "json":
+        from bench.workloads import json_prompts
+
+        return json_prompts(D.select(conversations, domains=["english"], split="heldout"), n)
     try:
         from bench.workloads import agent_prompts
     except ImportError as e:
@@ -405,7 +429,7 @@ def main() -> None:
                 prefill = prefix_cache_prefill(target, turns, prompts, encoder.encode,
                                                {m: t.model for m, t in targets.items()})
                 print(f"sessions prefill (prefix cache): {json.dumps(prefill)}")
-    eng, rep, agent, sessions = (results.get(w) for w in WORKLOADS)
+    eng, rep, agent, sessions, js = (results.get(w) for w in WORKLOADS)
     spec = [r for t in results.values() if t for n, r in t["rows"].items()
             if n in ("chain", "tree", DEFAULT_ROW, f"{DEFAULT_ROW}-fixed")]
     figures = {
@@ -428,6 +452,10 @@ def main() -> None:
         "sessions_tpot_speedup_vs_prompt_lookup": _tpot_ratio(sessions, DEFAULT_ROW, "hf-prompt-lookup"),
         "sessions_ttft_ratio_vs_plain": sessions and sessions["rows"][DEFAULT_ROW]["ttft_ratio_vs_plain"],
         "sessions_prefill": prefill,
+        "json_tpot_speedup_vs_plain": js and js["rows"][DEFAULT_ROW]["tpot_speedup_vs_plain"],
+        "json_speedup_vs_plain": js and js["rows"][DEFAULT_ROW]["speedup_vs_plain"],
+        "json_accept_length": js and js["rows"][DEFAULT_ROW]["accept_length_mean"],
+        "json_mask_ms_per_token": js and js["rows"][DEFAULT_ROW]["mask_ms_per_token"],
         "head_install_ms": install_ms, "head_install_measures": install_how,
         "compute": target.compute, "lossless": target.lossless, "compute_choice": target.compute_choice.reason,
         "prefill": getattr(target, "prefill_choice", "") or target.compute,

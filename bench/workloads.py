@@ -142,3 +142,34 @@ def agent_prompts(conversations: Iterable[Conversation], n: int, seed: int = 0) 
         else:
             out.append(_chat(SUMMARY_SYSTEM, SUMMARY_EXAMPLES, f"Text: {snippets.pop()}"))
     return out
+
+JSON_FORMATS = (
+    {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"},
+                                         "topics": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+        "required": ["answer", "confidence", "topics"], "additionalProperties": False}}},
+    {"type": "json_schema", "json_schema": {"name": "triage", "strict": True, "schema": {
+        "type": "object", "properties": {"category": {"enum": ["question", "request", "complaint", "other"]},
+                                         "urgent": {"type": "boolean"}, "summary": {"type": "string"}},
+        "required": ["category", "urgent", "summary"], "additionalProperties": False}}},
+    {"type": "json_object"},
+)
+JSON_INSTRUCTIONS = ("Answer the question as JSON with the fields answer, confidence (0 to 1) and topics.",
+                     "Triage this message as JSON with the fields category, urgent and summary.",
+                     "Reply with a JSON object describing the question: its subject, its kind and a short answer.")
+
+
+def json_prompts(conversations: Iterable[Conversation], n: int, seed: int = 0) -> list[tuple[list[dict], dict]]:
+    """`n` (chat request, response_format) pairs: held-out questions under three formats in turn (two strict
+    JSON schemas, and JSON mode), the structured-output traffic agents send."""
+    rng = random.Random(seed)
+    questions = [q for q in map(_question, conversations) if q]
+    rng.shuffle(questions)
+    if len(questions) < n:
+        raise ValueError(f"{n} json prompts need {n} short questions; the conversations give {len(questions)}")
+    out = []
+    for i in range(n):
+        k = i % len(JSON_FORMATS)
+        out.append(([{"role": "system", "content": JSON_INSTRUCTIONS[k]}, {"role": "user", "content": questions[i]}],
+                    JSON_FORMATS[k]))
+    return out

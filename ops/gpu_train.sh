@@ -5,7 +5,7 @@
 #   here (once, minutes):   bash ops/gpu_train.sh wheels      # pydantic & co. + gguf for the device's Python
 #                           bash ops/gpu_train.sh pack        # .gpu/: parts, manifest.json, plan.json
 #                           bash ops/gpu_train.sh plan        # prints the device calls below, sized for today's tree
-#   window:                 bash ops/gpu_train.sh hide        # heads/ (57 MiB) out of the checkout: it would travel
+#   window:                 bash ops/gpu_train.sh hide        # heads/ (57 MiB) and docs/results/ out of the checkout: they would travel
 #                                                             # with every call and leave ~5 MiB per call for parts
 #     device call 1..n-1:   run(command="bash ops/gpu_train.sh device --minutes 6",
 #                               carry=[".gpu/manifest.json", ".gpu/part-000.bin"], timeout_s=120)
@@ -13,7 +13,7 @@
 #                              goes back 30 s after a call, and its parts with it)
 #     device call n:        run(command=same, carry=[".gpu/manifest.json", ".gpu/part-001.bin"], timeout_s=560)
 #                           -> trains 6 minutes on CUDA in bf16, exports to $OUT every 2 minutes and at the end
-#                           bash ops/gpu_train.sh restore     # heads/ back (install does it too)
+#                           bash ops/gpu_train.sh restore     # heads/ and docs/results/ back (install does it too)
 #   after:                  bash ops/gpu_train.sh install <files_at of the last call>
 #                           # joins the head, scores it and the shipped head with eval-head's evaluation on this
 #                           # CPU, writes heads/<version>/ only when it is better (head.json records the run)
@@ -43,11 +43,13 @@ for c in plan["calls"]:
     print(json.dumps({"command": c["command"], "carry": c["carry"], "timeout_s": c["timeout_s"]}), f"# {c['carried_mib']} MiB")
 PY
     ;;
-  hide)
+  hide)  # heads/ and the kept results (docs/results/): neither is needed on the device
     if [ -d "$STASH/heads" ]; then echo "heads/ already hidden in $STASH"; exit 0; fi
-    mkdir -p "$STASH" && mv heads "$STASH/heads" && echo "heads/ moved to $STASH/heads; 'bash ops/gpu_train.sh restore' brings it back" ;;
+    mkdir -p "$STASH" && mv heads "$STASH/heads" && echo "heads/ moved to $STASH/heads; 'bash ops/gpu_train.sh restore' brings it back"
+    if [ -d docs/results ] && [ ! -d "$STASH/results" ]; then mv docs/results "$STASH/results" && echo "docs/results/ moved to $STASH/results"; fi ;;
   restore)
-    if [ ! -d "$STASH/heads" ]; then echo "nothing hidden"; exit 0; fi
+    if [ -d "$STASH/results" ] && [ ! -e docs/results ]; then mv "$STASH/results" docs/results && echo "docs/results/ restored"; fi
+    if [ ! -d "$STASH/heads" ]; then echo "no heads hidden"; exit 0; fi
     mkdir -p heads
     for d in "$STASH"/heads/*; do [ -e "heads/$(basename "$d")" ] || mv "$d" heads/; done
     rmdir "$STASH/heads" 2>/dev/null || echo "left in $STASH/heads (also present in heads/): $(ls "$STASH/heads")"

