@@ -80,7 +80,11 @@ def cpu_has_fast_bf16() -> bool:
     Without it PyTorch's bf16 GEMM falls back to a generic kernel whose cost grows linearly with the
     rows (measured on a 2-core AVX2 EPYC: a flat ~19 GFLOPS against 80-150 for fp32 at 17-4096 rows):
     one-token decoding is still faster in bf16 (half the bytes to read), but training batches are
-    5-8x slower than in fp32. Unknown platforms (no /proc/cpuinfo) are assumed to have it."""
+    5-8x slower than in fp32. Unknown platforms (no /proc/cpuinfo) are assumed to have it. Kernels held below
+    AVX-512 (ATEN_CPU_CAPABILITY=avx2, as `make test-loaded CPU_ISA=avx2` runs an AVX2-only CPU's kernels while
+    /proc/cpuinfo still lists the machine's flags) have no hardware bf16 either."""
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -225,3 +225,16 @@ def test_fingerprint_ignores_how_the_directory_was_written(saved_dir):
     cfg["_name_or_path"] = "/somewhere/else"
     (saved_dir / "config.json").write_text(json.dumps(cfg))
     assert fingerprint_dir(saved_dir) == fp
+
+
+def test_kernels_held_to_avx2_have_no_hardware_bf16_whatever_the_cpu_flags_say():
+    """`CPU_ISA=avx2` runs an AVX2-only CPU's kernels on an AVX-512 machine; the trainer must then train in fp32
+    as it would there (bf16 GEMMs without AVX512-BF16 are 5-8x slower), not read /proc/cpuinfo's flags."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from adaptive_eagle.targets import cpu_has_fast_bf16; print(cpu_has_fast_bf16())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
