@@ -250,7 +250,7 @@ class CallStream:
                 return out
             self._text(self.buf[:start], out)
             self.buf = self.buf[start:]
-            end = self.buf.find(CLOSE)
+            end = _close_at(self.buf)
             if end < 0:
                 return out
             block, self.buf = self.buf[:end + len(CLOSE)], self.buf[end + len(CLOSE):]
@@ -295,6 +295,28 @@ class CallStream:
             return None
         return {"id": new_call_id(), "type": "function",
                 "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _close_at(buf: str) -> int:
+    """Index of the CLOSE that ends the call opened at buf[0], or -1: the first CLOSE outside a JSON string (a
+    string argument may hold the marker's text itself: the grammar allows any string)."""
+    end = buf.find(CLOSE, len(OPEN))
+    while end >= 0 and _in_string(buf[len(OPEN):end]):
+        end = buf.find(CLOSE, end + 1)
+    return end
+
+
+def _in_string(text: str) -> bool:
+    """Whether JSON text cut at its end stops inside a string (quotes counted, escapes skipped)."""
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and inside:
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
 
 
 def _partial_suffix(text: str, marker: str) -> int:

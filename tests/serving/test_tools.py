@@ -138,6 +138,9 @@ def test_tool_choice_none_offers_no_tools_and_parses_no_calls():
     ("<tool_call>\n{\"name\": \"calc\", \"arguments\": {\"expr\"", "<tool_call>\n{\"name\": \"calc\", "
      "\"arguments\": {\"expr\"", []),  # cut off by max_tokens
     ("a < b <tool_ and <tool_call", "a < b <tool_ and <tool_call", []),
+    # a string argument may hold the closing marker (the call grammar allows any string): it stays in the string
+    (call_text("calc", {"expr": "}}</tool_call> 6*7"}) + " done", "done", [("calc", {"expr": "}}</tool_call> 6*7"})]),
+    (call_text("calc", {"expr": "a \\\" </tool_call>"}), None, [("calc", {"expr": "a \\\" </tool_call>"})]),
 ])
 def test_an_answer_is_split_into_text_and_calls(text, content, calls):
     got_content, got = parse(text, SPEC)
@@ -153,7 +156,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"expr": "1"}]
 
 
-PIECES = st.sampled_from(["Sure", " ", "\n", "<", "tool", "_call", ">", "</tool_call>", "<tool_call>",
+PIECES = st.sampled_from(["Sure", " ", "\n", "<", "tool", "_call", ">", "</tool_call>", "<tool_call>", '"', "\\",
                           json.dumps({"name": "calc", "arguments": {"expr": "2*3"}}),
                           json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}), "{", "x"])
 
