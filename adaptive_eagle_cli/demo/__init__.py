@@ -36,8 +36,9 @@ def demo(
                                             "(default 15; --quick 3.5)"),
     out: Path = typer.Option(Path("demo-report"), help="report directory (report.md, summary.json, plot, log)"),
     scenario: str = typer.Option("english,code", help="domains the traffic drifts through, in order "
-                                 "(english, code, math, agent, sessions), or `long` (= english,sessions: short "
-                                 "chat drifting to long multi-turn agent sessions)"),
+                                 "(english, code, math, agent, sessions, tools, tools2), or `long` (= english,sessions:"
+                                 " short chat drifting to long multi-turn agent sessions), or `agent` (= tools,tools2: "
+                                 "an agent loop calling tools whose tool set changes halfway)"),
     prompts: Optional[Path] = typer.Option(None, help="your own prompts instead of ShareGPT: JSONL of "
                                            "{\"prompt\": ...} or {\"messages\": [...]}, optional \"domain\""),
     clients: int = typer.Option(2, help="concurrent openai clients"),

@@ -22,9 +22,12 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCENARIO_DOMAINS = ("english", "code", "math", "agent", "sessions")
-# named scenarios: `--scenario long` = short English chat drifting to long multi-turn agent sessions
-SCENARIOS = {"long": ("english", "sessions")}
+SCENARIO_DOMAINS = ("english", "code", "math", "agent", "sessions", "tools", "tools2")
+# named scenarios: `--scenario long` = short English chat drifting to long multi-turn agent sessions; `--scenario
+# agent` = an agent loop calling tools (demo/agent.py) whose tool set changes halfway (tools -> tools2)
+SCENARIOS = {"long": ("english", "sessions"), "agent": ("tools", "tools2")}
+# the first phase's share of the traffic where a named scenario sets it (the agent's drift comes halfway)
+FIRST_SHARES = {SCENARIOS["agent"]: 0.5}
 SESSION_CHARS = 16000  # characters of context a demo session grows to (about 4-5k tokens): bench/sessions.py
 # the demo's serving.max_prompt_tokens: a session's last turns fit, within SmolLM2's 8,192 with room for the answer
 MAX_PROMPT_TOKENS = 7680
@@ -109,6 +112,13 @@ class DemoConfig(BaseModel):
             raise DemoConfigError(explain(e)) from None
 
     # ---- derived settings ---------------------------------------------------------------------
+    @property
+    def first_share(self) -> float:
+        """The first phase's share of the traffic: the named scenario's (agent: half), else first_phase_share."""
+        if "first_phase_share" in self.model_fields_set:
+            return self.first_phase_share
+        return FIRST_SHARES.get(self.scenario, self.first_phase_share)
+
     @property
     def budget_s(self) -> float:
         return self.minutes * 60.0

@@ -56,11 +56,26 @@ def decode_server(target, head, engine_params: dict, max_prompt_tokens: int = MA
 
 
 def decode_again(server, result: RequestResult, max_tokens: int, tag: str):
-    """`result`'s request decoded by `server`: serving.messages.Finished (or Refused)."""
+    """`result`'s request decoded by `server`: (serving.messages.Finished or Refused, the answer's text as
+    `result.text` holds it). A request with tools is read by the gateway's own parser (its tools rendered, a
+    required call's grammar) and its answer put in agent.canonical form."""
     from serving.messages import DecodeRequest
 
-    return server.generate(DecodeRequest(request_id=f"{tag}-{result.request_id}", messages=result.prompt.messages,
-                                         max_tokens=max_tokens, domain=result.domain, capture=False))
+    rid = f"{tag}-{result.request_id}"
+    if not result.prompt.tools:
+        finished = server.generate(DecodeRequest(request_id=rid, messages=result.prompt.messages,
+                                                 max_tokens=max_tokens, domain=result.domain, capture=False))
+        return finished, getattr(finished, "text", "")
+    from adaptive_eagle_cli.demo.agent import canonical
+    from serving import tools
+    from serving.openai_api import parse_chat
+
+    body = result.prompt.chat_body("control", max_tokens)
+    parsed, request = parse_chat(body, body["max_tokens"], max_tokens)
+    finished = server.generate(request.model_copy(update={"request_id": rid, "domain": result.domain,
+                                                          "capture": False}))
+    content, calls = tools.parse(getattr(finished, "text", ""), parsed._tools)
+    return finished, canonical(content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
 
 
 class FrozenDecoder:
@@ -90,10 +105,10 @@ class FrozenDecoder:
     def _loop(self) -> None:
         while (result := self._queue.get()) is not None:
             try:
-                finished = decode_again(self.server, result, self.max_tokens, "frozen")
+                finished, text = decode_again(self.server, result, self.max_tokens, "frozen")
                 spec = finished.spec  # a Refused has none: caught below and reported
                 self.samples.append(ControlSample(result.request_id, result.domain, result.phase, result.finished_s,
-                                                  spec.tokens_per_s, spec.accept_length, finished.text == result.text))
+                                                  spec.tokens_per_s, spec.accept_length, text == result.text))
             except Exception as e:  # noqa: BLE001 - the control run reports its own failures
                 self.errors.append(f"{result.request_id}: {type(e).__name__}: {e}")
                 log.exception("frozen control decode failed")
@@ -141,7 +156,7 @@ def greedy_checks(server, results: Sequence[RequestResult], n: int, max_tokens: 
     out = []
     for i in picks:
         r = ok[i]
-        text = decode_again(server, r, max_tokens, "plain").text
+        text = decode_again(server, r, max_tokens, "plain")[1]
         diff = next((k for k, (a, b) in enumerate(zip(text, r.text)) if a != b), None)
         if diff is None and len(text) != len(r.text):
             diff = min(len(text), len(r.text))

@@ -175,6 +175,28 @@ def adapt_line(s: dict) -> str:
             f"{'–' if frac is None else f'{100 * frac:.0f}%'} of the accept-length drop")
 
 
+def tool_calls(results: Sequence[RequestResult]) -> Optional[dict]:
+    """The agent turns' calls, per tool_choice: answered turns, turns with calls, and turns whose every call names
+    a tool of the turn's set with arguments valid under its schema ("required": exactly one such call). None
+    without agent turns."""
+    from adaptive_eagle_cli.demo.agent import call_valid
+
+    out: dict = {}
+    for r in results:
+        choice = r.prompt.tool_choice
+        if not r.ok or not r.prompt.tools or choice is None:
+            continue
+        c = out.setdefault(choice, {"turns": 0, "with_calls": 0, "valid": 0, "invalid_examples": []})
+        c["turns"] += 1
+        c["with_calls"] += bool(r.tool_calls)
+        valid = bool(r.tool_calls) and all(call_valid(r.domain, name, args) for _, name, args in r.tool_calls)
+        valid &= choice != "required" or len(r.tool_calls) == 1
+        c["valid"] += valid
+        if not valid and choice == "required" and len(c["invalid_examples"]) < 5:
+            c["invalid_examples"].append(f"{r.request_id}: {r.text[:160]!r}")
+    return out or None
+
+
 def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Sequence, checks: Sequence[GreedyCheck],
             control: Sequence[ControlSample], extra: dict) -> dict:
     drift = next((r for r in rows if r.window == "after adaptation"), rows[0] if rows else None)
@@ -200,6 +222,7 @@ def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Seque
                           "requests": [asdict(c) for c in checks]},
         "control": {"frozen_decoded": len(control), "frozen_text_differs": sum(not c.same_text for c in control)},
         "table": [asdict(r) for r in rows],
+        "tool_calls": tool_calls(results),
         **extra,
     }
 
@@ -273,7 +296,8 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
              f"- gate decisions: {s['candidates_considered']} candidates considered, {s['canaries']} canaries, "
              f"{s['promotions']} promotions, {s['rollbacks']} rollbacks",
              f"- time to adapt: {adapt_line(s)}",
-             f"- trainer latency, last candidate: {latency_line(s.get('trainer'))}", "",
+             f"- trainer latency, last candidate: {latency_line(s.get('trainer'))}",
+             *_tool_lines(s.get("tool_calls")), "",
              "| window | domain | requests | heads served | accept length adapted | frozen | gain % | TPOT ms adapted "
              "| TPOT ms frozen, holdback (n) | TPOT gain |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -309,6 +333,17 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
     if s["failures"]:
         lines += ["", "## Failed requests", ""] + [f"- {f}" for f in s["failures"]]
     return "\n".join(lines) + "\n"
+
+
+def _tool_lines(calls: Optional[dict]) -> list[str]:
+    if not calls:
+        return []
+    out = []
+    for choice, c in sorted(calls.items()):
+        out.append(f"- agent turns with tool_choice {choice}: {c['turns']}, answered with calls {c['with_calls']}, "
+                   f"every call valid (a tool of the turn's set, arguments valid under its schema"
+                   f"{'; exactly one call' if choice == 'required' else ''}) **{c['valid']}**")
+    return out
 
 
 def write(out: Path, s: dict, rows: Sequence[Row], events: Sequence, info: dict, log_path: Path, plot_args: dict) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from adaptive_eagle_cli.demo import control, report
+from adaptive_eagle_cli.demo.agent import TOOL_DOMAINS
 from adaptive_eagle_cli.demo.config import ENGINE, MODEL_NAME, DemoConfig, demo_stack_config, phase_plan
-from adaptive_eagle_cli.demo.traffic import PromptCycle, Traffic, jsonl_pools, sharegpt_pools
+from adaptive_eagle_cli.demo.traffic import PromptCycle, Traffic, jsonl_pools, search_passages, sharegpt_pools
 from adaptive_eagle_cli.demo.view import LiveStats, LiveView, LogTail
 
 
@@ -136,15 +137,16 @@ def _serve_and_score(cfg, stack, info, scenario, pools, t_start, echo, tty) -> _
     decoder = control.FrozenDecoder(control.decode_server(target, frozen_head, ENGINE), cfg.control_every,
                                     cfg.max_tokens)
     startup = time.monotonic() - t_start
-    phases = phase_plan(scenario, cfg.traffic_s(startup), cfg.first_phase_share)
+    phases = phase_plan(scenario, cfg.traffic_s(startup), cfg.first_share)
     stats = LiveStats()
 
     def on_result(r) -> None:
         stats.add(r)
         decoder.offer(r)
 
+    passages = search_passages() if set(scenario) & set(TOOL_DOMAINS) else ()
     traffic = Traffic(info.endpoint, MODEL_NAME, phases, PromptCycle(pools), cfg.clients, cfg.max_tokens, cfg.think_s,
-                      on_result)
+                      on_result, passages=passages)
     view = LiveView(stats, Path(info.promotion_log), lambda: _trainer_status(stack), traffic.elapsed,
                     lambda t: _phase_name(traffic, t), 10.0 if cfg.quick else 20.0, echo, tty)
     echo(f"traffic: {' → '.join(f'{p.domain} {p.end_s - p.start_s:.0f}s' for p in phases)}, {cfg.clients} clients, "
@@ -255,8 +257,15 @@ def failed_checks(s: dict) -> list[str]:
               ("control", s["control"]["frozen_text_differs"],
                "frozen-head re-decodes differ from the served text (greedy decoding is lossless for any head)"),
               ("replay", s["replay_check"]["requests_differing"],
-               "requests whose replay differs from what serving measured")]
+               "requests whose replay differs from what serving measured"),
+              ("tool calls", _invalid_required(s), "agent turns under tool_choice required without exactly one valid "
+                                                    "call (the call's grammar promises one)")]
     return [f"{int(n)} {what}" if n is not True else what for _, n, what in checks if n]
+
+
+def _invalid_required(s: dict) -> int:
+    c = (s.get("tool_calls") or {}).get("required")
+    return c["turns"] - c["valid"] if c else 0
 
 
 __all__ = ["DemoOutcome", "failed_checks", "pool_size", "prompt_pools", "run_demo", "scenario_of"]

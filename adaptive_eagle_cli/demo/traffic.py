@@ -11,7 +11,14 @@ turn after turn; each request carries the system message, every earlier turn and
 as they came back, then the new turn, so contexts grow to thousands of tokens. A failed turn ends the
 session (the next turn would need its answer); the client starts the next session.
 
-The held-out split of ShareGPT is never sent: it is what offline evaluations score heads on.
+Agent tasks (domains `tools` and `tools2`, agent.py) are sent as an agent framework sends them: a client works
+through one task at a time: the task with the domain's tool set and tool_choice "required", then (when the answer
+holds calls) the history with the calls and the results of the client's own tools, tool_choice "auto". A
+response's text is then its content and calls in one canonical form (`agent.canonical`), which the control
+compares.
+
+The held-out split of ShareGPT is never sent as a prompt: it is what offline evaluations score heads on (the agent
+tasks' search tool returns held-out passages as tool results).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from adaptive_eagle_cli.demo import agent
 from adaptive_eagle_cli.demo.config import SESSION_CHARS, Phase
 
 SHAREGPT_DOMAINS = ("english", "code", "math")
@@ -36,6 +44,17 @@ class Prompt:
     messages: tuple  # ({"role", "content"}, ...); a session's pool entry: ()
     domain: str
     session: object = None  # domain `sessions`: the bench/sessions.py Session whose turns the client sends
+    tools: tuple = ()  # agent domains: the tool set offered (OpenAI tool dicts); messages may then hold tool turns
+    tool_choice: Optional[str] = None
+    max_tokens: Optional[int] = None  # this request's own budget (a required call's), else the traffic's
+
+    def chat_body(self, model: str, max_tokens: int) -> dict:
+        """The greedy chat request as the clients send it (the control re-decodes from the same body)."""
+        body = {"model": model, "messages": list(self.messages), "temperature": 0,
+                "max_tokens": self.max_tokens or max_tokens}
+        if self.tools:
+            body.update(tools=list(self.tools), tool_choice=self.tool_choice)
+        return body
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,7 @@ class RequestResult:
     by_context: tuple[tuple[str, int, int], ...] = ()  # the response's (context bucket, verify steps, accepted drafts)
     arm: str = "served"  # "holdback": the replica decoded it with the frozen baseline head (serving.holdback_fraction)
     tpot_s: float = 0.0  # the response's time per output token after the first
+    tool_calls: tuple[tuple[str, str, str], ...] = ()  # the answer's calls (id, name, arguments), agent domains
 
 
 # ---- prompt pools ---------------------------------------------------------------------------------
@@ -68,7 +88,8 @@ def sharegpt_pools(domains: Sequence[str], per_domain: int, max_chars: int, seed
     split, shuffled with `seed`. Reads the file only as far as it needs to."""
     from trainer.data import load_sharegpt, select
 
-    wanted = {d for d in domains if d in SHAREGPT_DOMAINS} | ({"english"} if "agent" in domains else set())
+    tools = [d for d in domains if d in agent.TOOL_DOMAINS]
+    wanted = {d for d in domains if d in SHAREGPT_DOMAINS} | ({"english"} if "agent" in domains or tools else set())
     texts: dict[str, list[str]] = {d: [] for d in wanted}
     agent_convs: list = []
     for conv in select(load_sharegpt(), domains=sorted(wanted), split="train"):
@@ -87,12 +108,32 @@ def sharegpt_pools(domains: Sequence[str], per_domain: int, max_chars: int, seed
         pools["agent"] = [Prompt(tuple(m), "agent") for m in workloads.agent_prompts(agent_convs, n, seed=seed)]
     if SESSIONS in domains:
         pools[SESSIONS] = session_pool(max(2, per_domain // 10), seed=seed)
+    for i, d in enumerate(tools):  # each tool domain its own tasks; a client's task is one to two requests
+        pools[d] = [Prompt(({"role": "user", "content": t},), d)
+                    for t in agent.tasks(texts["english"], per_domain, seed=seed + i)]
     rng = random.Random(seed)
     for d, pool in pools.items():
         if not pool:
             raise ValueError(f"ShareGPT gave no {d} prompts of 20..{max_chars} characters (raise --max-prompt-chars)")
         rng.shuffle(pool)
     return pools
+
+
+def search_passages(n: int = 400, min_chars: int = 120, max_chars: int = 600) -> list[str]:
+    """Up to `n` assistant answers of held-out English ShareGPT conversations: what the agent tasks' search tool
+    looks in."""
+    from trainer.data import load_sharegpt, select
+
+    out: list[str] = []
+    for conv in select(load_sharegpt(), domains=["english"], split="heldout"):
+        text = next((m.content for m in conv.messages if m.role == "assistant"), "")
+        if min_chars <= len(text) <= max_chars:
+            out.append(text)
+            if len(out) >= n:
+                break
+    if not out:
+        raise ValueError("ShareGPT's held-out split holds no English answer for the search tool")
+    return out
 
 
 def session_pool(n: int, seed: int) -> list[Prompt]:
@@ -213,6 +254,7 @@ class Traffic:
     think_s: float
     on_result: Callable[[RequestResult], None]
     api_key: str = "demo"  # the gateway's API key, where it has any (serving.api_keys)
+    passages: Sequence[str] = ()  # agent domains: what the search tool looks in
     stop: threading.Event = field(default_factory=threading.Event)
     t0: float = 0.0
     _count: int = 0
@@ -240,6 +282,8 @@ class Traffic:
 
         client = openai.OpenAI(base_url=self.endpoint, api_key=self.api_key, max_retries=0, timeout=900)
         place: Optional[SessionTurns] = None  # this client's long session, turn by turn
+        toolbox = agent.Toolbox(self.passages)  # agent domains: this client's tools (its own memory)
+        task: Optional[Prompt] = None  # agent domains: the next turn of this client's task
         while not self.stop.is_set():
             started = self.elapsed()
             phase = self.phase_at(started)
@@ -252,11 +296,17 @@ class Traffic:
                 if place is None or place.done():
                     place = SessionTurns.start(self.prompts.take(SESSIONS))
                 prompt = place.prompt()
+            elif domain in agent.TOOL_DOMAINS:
+                if task is None or task.domain != domain:  # a task does not cross the drift: its tools changed
+                    task = first_turn(self.prompts.take(domain), self.max_tokens)
+                prompt = task
             else:
                 prompt = self.prompts.take(domain)
             result = self._send(client, client_id, index, phase, started, prompt)
             if domain == SESSIONS:
                 place = place.after(prompt, result)
+            elif domain in agent.TOOL_DOMAINS:
+                task = next_turn(prompt, result, toolbox, self.max_tokens)
             self.on_result(result)
             if self.think_s:
                 self.stop.wait(self.think_s)
@@ -264,12 +314,17 @@ class Traffic:
     def _send(self, client, client_id: int, index: int, phase: int, started: float, prompt: Prompt) -> RequestResult:
         base = dict(index=index, client=client_id, domain=prompt.domain, phase=phase, started_s=started, prompt=prompt)
         try:
-            resp = client.chat.completions.create(model=self.model, messages=list(prompt.messages), temperature=0,
-                                                  max_tokens=self.max_tokens, metadata={"domain": prompt.domain})
+            resp = client.chat.completions.create(**prompt.chat_body(self.model, self.max_tokens),
+                                                  metadata={"domain": prompt.domain})
         except Exception as e:  # noqa: BLE001 - every failure is counted and reported, never raised
             return RequestResult(**base, finished_s=self.elapsed(), ok=False, error=f"{type(e).__name__}: {e}"[:300])
         spec = getattr(resp, "adaptive_eagle", None) or {}
-        text = resp.choices[0].message.content if resp.choices else None
+        message = resp.choices[0].message if resp.choices else None
+        text = message.content if message is not None else None
+        calls = tuple((c.id, c.function.name, c.function.arguments) for c in (message.tool_calls or [])) \
+            if message else ()
+        if prompt.tools:
+            text = agent.canonical(text, [(name, args) for _, name, args in calls])
         tokens = resp.usage.completion_tokens if resp.usage else 0
         ok, error = bool(text) and tokens > 0 and bool(spec), ""
         if not ok:
@@ -280,8 +335,26 @@ class Traffic:
                              verify_steps=int(spec.get("verify_steps", 0)),
                              tokens_per_s=float(spec.get("tokens_per_s", 0.0)), captured=str(spec.get("captured", "")),
                              by_context=tuple((str(b), int(n), int(a)) for b, n, a in spec.get("by_context") or ()),
-                             arm=str(spec.get("arm", "served")), tpot_s=float(spec.get("tpot_s", 0.0)))
+                             arm=str(spec.get("arm", "served")), tpot_s=float(spec.get("tpot_s", 0.0)),
+                             tool_calls=calls)
 
 
-__all__ = ["Prompt", "PromptCycle", "RequestResult", "SESSIONS", "SessionTurns", "Traffic", "bench_module", "jsonl_pools",
-           "session_pool", "sharegpt_pools"]
+def first_turn(entry: Prompt, max_tokens: int) -> Prompt:
+    """An agent task's first request: the task, the domain's tools, one call required."""
+    turn = agent.first_turn(entry.messages[-1]["content"], entry.domain, max_tokens)
+    return Prompt(turn.messages, entry.domain, tools=turn.tools, tool_choice=turn.tool_choice,
+                  max_tokens=turn.max_tokens)
+
+
+def next_turn(sent: Prompt, answer: RequestResult, toolbox: agent.Toolbox, max_tokens: int) -> Optional[Prompt]:
+    """The request after `sent` in its agent task: the calls run and their results sent back (tool_choice auto);
+    None when the task is over (the answer was the second turn's, failed, or called nothing)."""
+    if sent.tool_choice != "required" or not answer.ok or not answer.tool_calls:
+        return None
+    turn = agent.second_turn(agent.AgentTurn(sent.messages, sent.tools, "required", max_tokens), answer.tool_calls,
+                             toolbox, max_tokens)
+    return Prompt(turn.messages, sent.domain, tools=turn.tools, tool_choice=turn.tool_choice)
+
+
+__all__ = ["Prompt", "PromptCycle", "RequestResult", "SESSIONS", "SessionTurns", "Traffic", "bench_module", "first_turn",
+           "jsonl_pools", "next_turn", "search_passages", "session_pool", "sharegpt_pools"]
