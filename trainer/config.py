@@ -56,7 +56,7 @@ class NearlineConfig(BaseModel):
         "candidate is replayed once on them when it is written"))
     max_pending_candidates: int = Field(2, ge=1, le=16, description=(
         "prequential: snapshots gathering evidence at once (each record is replayed once more per snapshot); a "
-        "newer one closes the oldest's evidence"))
+        "newer one closes the evidence of the older snapshot whose rows lead the champion least"))
     candidate_evidence_records: int = Field(2000, ge=1, description=(
         "prequential: a snapshot's evidence closes after this many records (at least policy.min_samples; the "
         "policy decides on it by then)"))

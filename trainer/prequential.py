@@ -3,7 +3,8 @@ candidate snapshot still gathering evidence, and only then trained on. No record
 and a snapshot's evidence comes only from records it never trained on (ones read after it was written, or
 waiting in the fresh queue when it was).
 
-Owns: the snapshots gathering evidence (at most `max_pending`, newest kept), replaying a batch of records
+Owns: the snapshots gathering evidence (at most `max_pending`: the newest, and of the older ones those whose
+rows lead the champion most), replaying a batch of records
 with them, appending the pairs to each snapshot's evidence file (adaptive_eagle.evidence, which the policy
 re-reads), and closing a file with its reason. Must not touch: the optimizer, the store, the policy.
 
@@ -40,6 +41,11 @@ class Snapshot:
     evidence: CandidateEvidence
 
 
+def lead(evidence: CandidateEvidence) -> float:
+    """The mean paired gain in accept length of a snapshot over the champion on its rows so far (0 with none)."""
+    return float(np.mean([r[3] - r[2] for r in evidence.rows])) if evidence.rows else 0.0
+
+
 class EvidenceBook:
     def __init__(self, registry_root: str | Path, tree: TreeParams, *, max_pending: int, max_records: int) -> None:
         self.root = Path(registry_root)
@@ -53,12 +59,21 @@ class EvidenceBook:
     # ---- snapshots ------------------------------------------------------------------------------------
     def add(self, version: str, head: Eagle3DraftHead, champion: str, recipe: dict) -> None:
         """Start gathering evidence for a snapshot just registered (`head` is handed over: made ready for replay
-        in place); the oldest open one closes beyond max_pending (its evidence stays for the policy to decide
-        on)."""
+        in place). Beyond max_pending one older snapshot closes (its evidence stays for the policy to decide on):
+        the one whose rows lead the champion least (`lead`; the oldest among equals). So a snapshot that is
+        clearly better keeps gathering evidence while newer ones come and go, instead of closing after a fixed
+        number of snapshots with too few records to be promoted (the policy's test needs over a hundred paired
+        records at the demo's settings whatever the gain). Which file closes when depends only on rows already
+        written, so each snapshot's sequential test stays valid: it may stop at any time."""
         ev = CandidateEvidence(version=version, champion=champion, recipe={"tree": self.tree.__dict__, **recipe})
         self.open.append(Snapshot(version, replay_ready(head, adopt=True), ev))
         while len(self.open) > self.max_pending:
-            self._close(self.open[0], f"superseded: {self.max_pending} newer snapshots gather evidence")
+            older = self.open[:-1]
+            weakest = min(older, key=lambda snap: (lead(snap.evidence), older.index(snap)))
+            self._close(weakest, f"superseded: of the {len(older)} older snapshots gathering evidence its rows lead "
+                                 f"the champion least (mean accept length {lead(weakest.evidence):+.3f} over "
+                                 f"{len(weakest.evidence.rows)} records; trainer.max_pending_candidates "
+                                 f"{self.max_pending})")
         write_evidence(self.root, ev)
 
     def close_all(self, reason: str) -> None:

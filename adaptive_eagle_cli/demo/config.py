@@ -129,11 +129,15 @@ class DemoConfig(BaseModel):
         2-core AMD EPYC it took 0.15 s per second of traffic (89 s after 610 s), so it gets a share of the rest;
         stopping the stack took 7-62 s, the 5 greedy checks of 96 tokens 8 s."""
         closing = (40.0 if self.quick else 60.0) + 2.0 * self.greedy_checks * self.max_tokens / 32
-        share = 0.0 if self.quick else REPLAY_SHARE  # --quick: a few short requests, replayed in seconds
+        # --quick: a few short requests, replayed in seconds
+        share = 0.0 if self.quick else max(REPLAY_SHARES.get(d, REPLAY_SHARE) for d in self.scenario)
         return max(20.0, (self.budget_s - startup_s - closing) / (1.0 + share))
 
 
 REPLAY_SHARE = 0.2  # closing replay seconds per second of traffic (measured 0.15 on 2 cores), with a margin
+# domains whose records replay slower: agent turns carry ~600 prompt tokens of tool schemas (measured 0.64 s per
+# second of traffic on a 2-core AMD EPYC: 193 requests replayed in 415 s)
+REPLAY_SHARES = {"tools": 0.7, "tools2": 0.7}
 
 
 def explain(error: ValidationError) -> str:
@@ -177,11 +181,12 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
     trainer = {
         "num_cpus": 0, "device": "cpu", "poll_ms": 200, "checkpoint_every_s": 20,
         "champion_check_s": 3, "batch_tokens": 1024 if quick else 4096, "min_fresh_tokens": 256 if quick else 1024,
-        # test-then-train: a snapshot costs no replay when written and gathers evidence from then on, until the
-        # second snapshot after it closes it (two gather at once). The sequential gate's valid test needs hundreds
-        # of paired records to see a gain of a few percent (docs/results/gate-sim-2026-12-04), so a snapshot
-        # every sixth of the run (at least every minute): a longer demo gives each snapshot a longer window of
-        # evidence (about a third of the run). A held-out candidate is replayed when written (every 2.5 minutes)
+        # test-then-train: a snapshot costs no replay when written and gathers evidence from then on; two gather at
+        # once, and a newer one closes the older whose rows lead the champion least. The sequential gate's valid
+        # test needs over a hundred paired records whatever the gain, hundreds for a few percent
+        # (docs/results/gate-sim-2026-12-04), so a snapshot every sixth of the run (at least every minute): a longer
+        # demo gives each snapshot a longer window of evidence (a third of the run, more for one that leads). A
+        # held-out candidate is replayed when written (every 2.5 minutes)
         "evidence": cfg.evidence, "heldout_percent": 50 if quick else 25, "heldout_per_domain": 48,
         "candidate_every_tokens": 1024 if quick else int(60_000 * max(1.0, cfg.minutes / 15)),
         "candidate_every_minutes": 0.3 if quick else max(1.0, cfg.minutes / 6) if cfg.evidence == "prequential"
