@@ -90,7 +90,7 @@ def demo(
     typer.echo(f"{s['drift_domain']} ({s['drift_window']}): accept length adapted {s['drift_accept_length_adapted']} "
                f"vs frozen {s['drift_accept_length_frozen']} ({s['drift_gain_pct']}%); time per output token "
                f"{s.get('drift_tpot_ms_adapted')} vs frozen {s.get('drift_tpot_ms_frozen')} ms (holdback arm, gain "
-               f"{s.get('drift_tpot_gain')}); promotions {s['promotions']}, "
+               f"{s.get('drift_tpot_gain')}, 90% interval {s.get('drift_tpot_gain_interval')}); promotions {s['promotions']}, "
                f"failed requests {s['failed_requests']}, greedy mismatches {s['greedy_checks']['mismatches']}")
     from adaptive_eagle_cli.demo.run import failed_checks
     for what in failed_checks(s):

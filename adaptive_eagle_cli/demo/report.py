@@ -50,6 +50,7 @@ class Row:
     tpot_ms_frozen: Optional[float] = None
     holdback_requests: int = 0
     tpot_gain: Optional[float] = None
+    tpot_gain_interval: Optional[tuple[float, float]] = None  # 90% bootstrap interval over the two arms' requests
 
 
 def windows(results: Sequence[RequestResult], phases: Sequence[Phase]) -> list[tuple[str, str, list[RequestResult]]]:
@@ -86,14 +87,33 @@ def table(results: Sequence[RequestResult], phases: Sequence[Phase], counts: dic
                         round(float(np.mean([r.tokens_per_s for r in rs])), 2) if rs else None,
                         round(float(np.mean([c.tokens_per_s for c in ctl])), 2) if ctl else None, len(ctl),
                         served, held, sum(r.arm == "holdback" for r in rs),
-                        round(held / served, 3) if served and held else None))
+                        round(held / served, 3) if served and held else None, tpot_gain_interval(rs)))
     return rows
+
+
+def _tpots(rs: Sequence[RequestResult], arm: str) -> np.ndarray:
+    return np.array([r.tpot_s * 1e3 for r in rs if r.arm == arm and r.completion_tokens > 1 and r.tpot_s > 0])
 
 
 def _tpot_ms(rs: Sequence[RequestResult], arm: str) -> Optional[float]:
     """Median time per output token (ms) of the window's requests of `arm` with more than one output token."""
-    xs = [r.tpot_s * 1e3 for r in rs if r.arm == arm and r.completion_tokens > 1 and r.tpot_s > 0]
-    return round(float(np.median(xs)), 2) if xs else None
+    xs = _tpots(rs, arm)
+    return round(float(np.median(xs)), 2) if len(xs) else None
+
+
+def tpot_gain_interval(rs: Sequence[RequestResult], level: float = 0.9, resamples: int = 2000,
+                       seed: int = 0) -> Optional[tuple[float, float]]:
+    """A percentile-bootstrap interval of the TPOT gain (median holdback / median served), each arm's requests
+    resampled on their own; None with fewer than 5 requests in an arm. The arms decode different requests (a
+    hash share), so with the same head on both the interval holds 1 (and shows how wide the noise is)."""
+    served, held = _tpots(rs, "served"), _tpots(rs, "holdback")
+    if min(len(served), len(held)) < 5:
+        return None
+    rng = np.random.default_rng(seed)
+    a = np.median(served[rng.integers(0, len(served), (resamples, len(served)))], axis=1)
+    b = np.median(held[rng.integers(0, len(held), (resamples, len(held)))], axis=1)
+    lo, hi = np.quantile(b / a, [(1 - level) / 2, (1 + level) / 2])
+    return round(float(lo), 3), round(float(hi), 3)
 
 
 def replay_check(results: Sequence[RequestResult], counts: dict, frozen: str) -> dict:
@@ -210,6 +230,7 @@ def summary(rows: Sequence[Row], results: Sequence[RequestResult], events: Seque
         "drift_tpot_ms_adapted": drift.tpot_ms_adapted if drift else None,
         "drift_tpot_ms_frozen": drift.tpot_ms_frozen if drift else None,
         "drift_tpot_gain": drift.tpot_gain if drift else None,
+        "drift_tpot_gain_interval": drift.tpot_gain_interval if drift else None,
         "holdback_requests": sum(r.ok and r.arm == "holdback" for r in results),
         "requests": len(results),
         "failed_requests": sum(not r.ok for r in results),
@@ -299,11 +320,12 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
              f"- trainer latency, last candidate: {latency_line(s.get('trainer'))}",
              *_tool_lines(s.get("tool_calls")), "",
              "| window | domain | requests | heads served | accept length adapted | frozen | gain % | TPOT ms adapted "
-             "| TPOT ms frozen, holdback (n) | TPOT gain |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| TPOT ms frozen, holdback (n) | TPOT gain [90% interval] |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.window} | {r.domain} | {r.requests} | {r.heads} | {_fmt(r.accept_length_adapted)} | "
                      f"{_fmt(r.accept_length_frozen)} | {_fmt(r.gain_pct, 2)} | {_fmt(r.tpot_ms_adapted, 1)} | "
-                     f"{_fmt(r.tpot_ms_frozen, 1)} ({r.holdback_requests}) | {_fmt(r.tpot_gain, 3)} |")
+                     f"{_fmt(r.tpot_ms_frozen, 1)} ({r.holdback_requests}) | {_fmt(r.tpot_gain, 3)} "
+                     f"{_interval(r.tpot_gain_interval)} |")
     lines += ["", f"![accept length over time]({PLOT})", "", "## Gate decisions (promotions.jsonl)", ""]
     lines += [f"- `{e.time[11:19]}` **{e.event}** {e.candidate or ''}: {e.reason}" for e in events] or ["- none"]
     lines += ["", "## How the figures are measured", "",
@@ -318,7 +340,9 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
               f"replicas decoded with the served heads; frozen = the holdback arm, the {s.get('holdback_requests', 0)} "
               "requests (a fixed share, by a hash of the request id) the same replicas decoded with the frozen "
               "shipped head at the same time, under the same load. TPOT gain = frozen / adapted (above 1: adapting "
-              "made decoding faster). The same comparison runs live in production: ae_loop_tpot_gain in /metrics.",
+              "made decoding faster), with a 90% percentile-bootstrap interval (each arm's requests resampled): an "
+              "interval that holds 1 shows no effect this window could tell from noise (the arms decode different "
+              "requests). The same comparison runs live in production: ae_loop_tpot_gain in /metrics.",
               "- Time to adapt: from the drift's onset (the second phase's start) to the first candidate the trainer "
               "wrote and to the first promotion. Recovered fraction = (adapted - frozen) / (frozen before drift - "
               "frozen after adaptation), accept length on the same requests: the share of the drift's drop won back.",
@@ -333,6 +357,10 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
     if s["failures"]:
         lines += ["", "## Failed requests", ""] + [f"- {f}" for f in s["failures"]]
     return "\n".join(lines) + "\n"
+
+
+def _interval(iv) -> str:
+    return f"[{iv[0]:.3f}, {iv[1]:.3f}]" if iv else "[too few requests]"
 
 
 def _tool_lines(calls: Optional[dict]) -> list[str]:

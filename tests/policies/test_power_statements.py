@@ -81,8 +81,9 @@ def test_the_demos_five_request_canary_no_longer_passes_unchecked():
     assert d.action == CONTINUE and "need 10 live requests per head" in d.reason
 
 
-def test_a_watch_that_passes_says_what_fall_it_could_have_seen():
-    cfg = prod_policy()
+@pytest.mark.parametrize("which", ["demo", "prod"])
+def test_a_watch_that_passes_says_what_fall_it_could_have_seen(which):
+    cfg = demo_policy() if which == "demo" else prod_policy()
     rng = np.random.default_rng(2)
     base, after = live(rng, 400, "v1"), live(rng, cfg.rollback_window, "v2")
     d = rollback_check(base, after, cfg)
