@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import secrets
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -162,7 +163,14 @@ class LocalStack:
         if not c.ray.address:
             kw["include_dashboard"] = None if c.ray.dashboard else False
             kw["_system_config"] = {"worker_niceness": c.ray.worker_niceness}
+        # ray.init installs Ray's own SIGTERM handler in this driver, which logs and aborts the process (exit -6):
+        # the handler `up` and the demo set to stop cleanly would never run, so it is put back afterwards
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
         ctx = ray.init(log_to_driver=True, configure_logging=False, **kw)
+        if threading.current_thread() is threading.main_thread():
+            for s, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(s, handler)
         self.ray_owned = True
         url = getattr(ctx, "dashboard_url", None)
         self.dashboard = f"http://{url}" if url and not url.startswith("http") else url or None
