@@ -39,6 +39,7 @@ from adaptive_eagle.lookup import suffix_match_continuation
 from adaptive_eagle.prefix_cache import CachedBlock, PrefixCache
 from adaptive_eagle.proposal import Proposal, accept_estimates, account, restrict
 from adaptive_eagle.request import GenerationRequest, GenerationResult, StepOutput
+from adaptive_eagle.spans import answer_span
 from adaptive_eagle.stopping import Committed, StopCheck, TextStream, cut_at_stop
 from adaptive_eagle.suffix_index import SuffixIndex, SuffixIndexConfig
 from adaptive_eagle.targets import Target, cache_dir
@@ -608,6 +609,7 @@ class SpeculativeEngine:
             capture_consent=request.consent, aux_hidden=aux, final_hidden=final,
             aux_layer_ids=tuple(self.target.aux_layer_ids) if aux is not None else (),
             compute=state.binding.compute, lossless=state.binding.lossless,
+            spans=tuple(request.spans) + answer_span(len(prompt_ids), len(ids), state.constraint is not None),
         )
         return GenerationResult(text, list(generated), state.stops.finish, trace, time.perf_counter() - state.t0,
                                 state.steps, shown, state.constraint.mask_s if state.constraint is not None else 0.0)

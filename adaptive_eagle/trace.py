@@ -18,7 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-TRACE_SCHEMA_VERSION = "1.2"  # major.minor; readers refuse an unknown major (1.1: compute, lossless; 1.2: final_hidden)
+# major.minor; readers refuse an unknown major (1.1: compute, lossless; 1.2: final_hidden; 1.3: spans)
+TRACE_SCHEMA_VERSION = "1.3"
+# what a span of a record's tokens is: in the prompt, a message by its role, the rendered tool schemas ("tools":
+# the system message that carries them) or a tool's result ("tool_output"); the answer, free model text
+# ("model") or decoded under a grammar ("constrained": a response_format or a required / named tool call)
+SPAN_KINDS = ("system", "user", "assistant", "tools", "tool_output", "model", "constrained")
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,9 @@ class TraceRecord:
     created_at: float = field(default_factory=time.time)  # unix seconds
     compute: str = ""  # how the target ran, e.g. "float32+fp16-weights" ("" = not recorded)
     lossless: str = ""  # "exact", or "lossless up to bf16 rounding" when the target ran in bf16
+    # (start, end, kind): token ranges [start, end) of input_ids and what they are (SPAN_KINDS), in order and
+    # disjoint; tokens in no span (a chat template's own framing) are unmarked. () = not recorded
+    spans: tuple[tuple[int, int, str], ...] = ()
     schema_version: str = TRACE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -83,6 +91,12 @@ class TraceRecord:
                 raise ValueError(f"aux_hidden shape {self.aux_hidden.shape} does not match {len(self.input_ids)} tokens")
             if not self.aux_layer_ids:
                 raise ValueError("aux_hidden needs aux_layer_ids")
+        end = 0
+        for start, stop, kind in self.spans:
+            if kind not in SPAN_KINDS or not end <= start < stop <= len(self.input_ids):
+                raise ValueError(f"invalid span ({start}, {stop}, {kind!r}) of {len(self.input_ids)} tokens: spans are "
+                                 f"in order, disjoint and non-empty, kinds from {', '.join(SPAN_KINDS)}")
+            end = stop
         if self.final_hidden is not None:
             if self.final_hidden.ndim != 2 or self.final_hidden.shape[0] not in (len(self.input_ids), len(self.input_ids) - 1):
                 raise ValueError(f"final_hidden shape {self.final_hidden.shape} does not match {len(self.input_ids)} tokens")

@@ -3,7 +3,8 @@
 Owns: column layout, schema version checks, payload (de)serialisation. Must not touch: models, I/O.
 
 Layout (one row per record): metadata columns (ids, fingerprint, head version, backend, tenant,
-domain, sampling struct, created_at, compute mode and lossless label since 1.1), token columns (`input_ids` int32, `loss_mask` int8, `steps`
+domain, sampling struct, created_at, compute mode and lossless label since 1.1, the token spans' kinds since
+1.3), token columns (`input_ids` int32, `loss_mask` int8, `steps`
 list of structs) and optional encoded features: `aux_data` holds the hidden states [T, n_aux * H]
 encoded by `aux_codec` as [T * n_aux, H] rows (e.g. int8b: one fp16 scale per 64-channel block of each row), with
 `aux_rows` = T and `aux_cols` = n_aux * H; since 1.2 `final_data` holds the final-norm hidden states [T, H]
@@ -39,6 +40,8 @@ STEP_TYPE = pa.struct([("tree_size", pa.int32()), ("accept_length", pa.int32()),
                        ("rejected_token", pa.int32()), ("rejected_draft_prob", pa.float32()),
                        ("rejected_target_prob", pa.float32())])
 
+SPAN_TYPE = pa.struct([("start", pa.int32()), ("end", pa.int32()), ("kind", pa.string())])
+
 TRACE_SCHEMA = pa.schema(
     [
         ("request_id", pa.string()), ("tenant", pa.string()), ("target_fingerprint", pa.string()),
@@ -49,6 +52,7 @@ TRACE_SCHEMA = pa.schema(
         ("aux_cols", pa.int32()), ("aux_data", pa.binary()),
         ("compute", pa.string()), ("lossless", pa.string()),  # since 1.1
         ("final_rows", pa.int32()), ("final_cols", pa.int32()), ("final_data", pa.binary()),  # since 1.2
+        ("spans", pa.list_(SPAN_TYPE)),  # since 1.3
     ],
     metadata={VERSION_KEY: TRACE_SCHEMA_VERSION.encode()},
 )
@@ -104,6 +108,7 @@ def record_to_row(record: TraceRecord, codec: str) -> dict:
         "aux_layer_ids": list(record.aux_layer_ids), "aux_codec": aux_codec, "aux_rows": aux_rows,
         "aux_cols": aux_cols, "aux_data": aux_data, "compute": record.compute, "lossless": record.lossless,
         "final_rows": final_rows, "final_cols": final_cols, "final_data": final_data,
+        "spans": [{"start": a, "end": b, "kind": k} for a, b, k in record.spans],
     }
 
 
@@ -153,6 +158,7 @@ def row_to_record(row: dict, version: str = TRACE_SCHEMA_VERSION) -> TraceRecord
         domain=row["domain"], capture_consent=bool(row["capture_consent"]), aux_hidden=decode_aux(row),
         aux_layer_ids=tuple(row["aux_layer_ids"] or ()), final_hidden=decode_final(row), created_at=float(row["created_at"]), schema_version=version,
         compute=row.get("compute") or "", lossless=row.get("lossless") or "",
+        spans=tuple((int(x["start"]), int(x["end"]), str(x["kind"])) for x in row.get("spans") or ()),
     )
 
 

@@ -40,6 +40,7 @@ from adaptive_eagle.engine import GenerationError, SpeculativeEngine
 from adaptive_eagle.request import GenerationRequest, StepOutput
 from adaptive_eagle.pacing import Pacer
 from adaptive_eagle.registry import HeadRegistry
+from adaptive_eagle.spans import message_spans
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.versions import PLAIN, engine_version, version_label
 from policies.canary import Canary
@@ -225,10 +226,14 @@ class ReferenceBackend:
         if request.temperature > 0:
             generator = torch.Generator().manual_seed(request.seed if request.seed is not None
                                                       else int(time.time_ns() % (1 << 62)))
-        return GenerationRequest(prompt_ids, request.sampling(), request.stop, capture=capture and request.capture,
+        capture = capture and request.capture
+        spans = ()
+        if capture and request.messages and self.engine.target.tokenizer is not None:
+            spans = message_spans(self.engine.target.tokenizer, request.messages, request.message_kinds, prompt_ids)
+        return GenerationRequest(prompt_ids, request.sampling(), request.stop, capture=capture,
                                  request_id=request.request_id, tenant=request.tenant, domain=request.domain,
                                  consent=request.capture, generator=generator, binding=self._binding_for(request),
-                                 grammar=self._grammar(request))
+                                 grammar=self._grammar(request), spans=spans)
 
     def stream(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> Iterator[BackendItem]:
         gen = self.generation_request(request, prompt_ids, capture)

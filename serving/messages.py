@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from adaptive_eagle.trace import SamplingParams
 
@@ -48,6 +48,19 @@ class DecodeRequest(BaseModel):
     head: Optional[str] = Field(None, description="routing only: the head version the caller asked for")
     response_format: Optional[str] = Field(None, description="constrains the output: the OpenAI response_format "
                                            "as JSON text (json_object or json_schema); None: free text")
+    message_kinds: Optional[tuple[str, ...]] = Field(None, description="what each of `messages` is (trace.SPAN_KINDS:"
+                                                     " its role, 'tools', 'tool_output'); None: their roles")
+
+    @model_validator(mode="after")
+    def _kinds_match(self) -> "DecodeRequest":
+        if self.message_kinds is not None:
+            from adaptive_eagle.trace import SPAN_KINDS
+
+            if self.messages is None or len(self.message_kinds) != len(self.messages):
+                raise ValueError("message_kinds must name each of messages")
+            if any(k not in SPAN_KINDS for k in self.message_kinds):
+                raise ValueError(f"message_kinds must be of {', '.join(SPAN_KINDS)}")
+        return self
 
     @field_validator("temperature")
     @classmethod

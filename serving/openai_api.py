@@ -246,8 +246,9 @@ def parse_chat(body: dict, limit: int, default_max_tokens: int) -> tuple[ChatBod
             raise ApiError(400, "a tool message must carry the tool's result as content", f"messages.{i}.content",
                            "invalid_value")
         msgs.append(("system" if m.role == "developer" else m.role, text, m.tool_calls))
-    return b, _decode_request(b, max_tokens, default_max_tokens, messages=T.render(msgs, b._tools),
-                              response_format=fmt)
+    rendered, kinds = T.render_with_kinds(msgs, b._tools)
+    return b, _decode_request(b, max_tokens, default_max_tokens, messages=rendered, response_format=fmt,
+                              message_kinds=kinds)
 
 
 def response_format(rf: Optional[dict]) -> Optional[str]:

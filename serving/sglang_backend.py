@@ -43,6 +43,7 @@ from typing import Callable, Iterator, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from adaptive_eagle.binding import SwapResult
+from adaptive_eagle.spans import answer_span, message_spans
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.versions import PLAIN, engine_version
 from serving.backend import BackendItem, BackendResult, RequestError, TokenChunk, prompt_field
@@ -216,13 +217,19 @@ def _failure_kind(e: Exception) -> str:
 
 
 def trace_from_response(request: DecodeRequest, prompt_ids: list[int], output_ids: list[int], meta: dict,
-                        head_version: str, fingerprint: str, draft_tokens: int) -> TraceRecord:
+                        head_version: str, fingerprint: str, draft_tokens: int, tokenizer=None) -> TraceRecord:
+    """The trace of an SGLang answer; with `tokenizer`, a chat request's spans (adaptive_eagle.spans)."""
     ids = list(prompt_ids) + list(output_ids)
+    spans = ()
+    if tokenizer is not None and request.messages and request.capture:
+        spans = message_spans(tokenizer, request.messages, request.message_kinds, prompt_ids)
+    spans += answer_span(len(prompt_ids), len(ids), request.response_format is not None)
     return TraceRecord(request_id=request.request_id, target_fingerprint=fingerprint,
                        head_version=engine_version(head_version), backend="sglang",
                        input_ids=tuple(ids), loss_mask=tuple([0] * len(prompt_ids) + [1] * len(output_ids)),
                        steps=verify_steps_from_meta(meta, draft_tokens), tenant=request.tenant,
-                       sampling=request.sampling(), domain=request.domain, capture_consent=request.capture)
+                       sampling=request.sampling(), domain=request.domain, capture_consent=request.capture,
+                       spans=spans)
 
 
 class SGLangBackend:
@@ -299,7 +306,7 @@ class SGLangBackend:
         if straddled:
             self._count("straddled_requests")
         trace = trace_from_response(request, prompt_ids, asm.tokens, meta, version, self.fingerprint,
-                                    self.cfg.num_draft_tokens - 1)
+                                    self.cfg.num_draft_tokens - 1, self.tokenizer)
         yield BackendResult(tuple(asm.tokens), self.decode(asm.tokens), finish, trace, time.perf_counter() - t0)
 
     def _read_stream(self, request: DecodeRequest, prompt_ids: list[int], asm: StreamAssembler):

@@ -199,6 +199,13 @@ def render_call(name: str, arguments: str) -> str:
 def render(messages: list[tuple[str, str, Any]], spec: Optional[ToolSpec]) -> tuple[dict[str, str], ...]:
     """Chat messages (role, text, tool_calls or None) as role/content messages any ChatML-style template takes,
     tools and tool turns written in the hermes format."""
+    return render_with_kinds(messages, spec)[0]
+
+
+def render_with_kinds(messages: list[tuple[str, str, Any]],
+                      spec: Optional[ToolSpec]) -> tuple[tuple[dict[str, str], ...], tuple[str, ...]]:
+    """`render`, and what each rendered message is (adaptive_eagle.trace.SPAN_KINDS): its role, "tools" for the
+    system message that carries the tool schemas, "tool_output" for tool results."""
     out: list[dict[str, str]] = []
     for role, text, calls in messages:
         if role == "assistant" and calls:
@@ -212,13 +219,16 @@ def render(messages: list[tuple[str, str, Any]], spec: Optional[ToolSpec]) -> tu
                 out.append({"role": "user", "content": block, "_tool": "1"})
         else:
             out.append({"role": role, "content": text})
+    kinds = ["tool_output" if m.get("_tool") else m["role"] for m in out]
     out = [{"role": m["role"], "content": m["content"]} for m in out]
     if spec is not None and spec.active:
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system_block(spec)}
+            kinds[0] = "tools"
         else:
             out.insert(0, {"role": "system", "content": system_block(spec)})
-    return tuple(out)
+            kinds.insert(0, "tools")
+    return tuple(out), tuple(kinds)
 
 
 # ---- parsing ----------------------------------------------------------------------------------------
@@ -337,4 +347,4 @@ def parse(text: str, spec: ToolSpec) -> tuple[Optional[str], list[dict]]:
 
 
 __all__ = ["CallStream", "MAX_TOOLS", "MAX_TOOLS_BYTES", "NamedChoice", "ToolCall", "ToolChoice", "ToolDef",
-           "ToolError", "ToolSpec", "call_format", "check_history", "check_tools", "parse", "render"]
+           "ToolError", "ToolSpec", "call_format", "check_history", "check_tools", "parse", "render", "render_with_kinds"]

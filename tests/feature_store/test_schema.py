@@ -64,3 +64,21 @@ def test_version_1_0_payloads_without_compute_columns_still_decode():
         w.write_batch(pa.RecordBatch.from_pylist([row], schema=old))
     back = decode_record(sink.getvalue().to_pybytes())
     assert back.schema_version == "1.0" and back.compute == "" and back.lossless == "" and back.input_ids == r.input_ids
+
+
+def test_spans_round_trip_are_checked_and_older_payloads_have_none():
+    import dataclasses
+
+    r = make_record(4, tokens=20)
+    spanned = dataclasses.replace(r, spans=((0, 3, "tools"), (5, 9, "tool_output"), (12, 20, "constrained")))
+    assert decode_record(encode_record(spanned, "bf16")).spans == spanned.spans
+    for bad in (((3, 3, "user"),), ((0, 21, "user"),), ((4, 8, "user"), (6, 9, "model")), ((0, 2, "shouting"),)):
+        with pytest.raises(ValueError, match="invalid span"):
+            dataclasses.replace(r, spans=bad)
+    old = pa.schema([f for f in TRACE_SCHEMA if f.name != "spans"], metadata={VERSION_KEY: b"1.2"})
+    row = {k: v for k, v in record_to_row(spanned, "bf16").items() if k in old.names}
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, old) as w:
+        w.write_batch(pa.RecordBatch.from_pylist([row], schema=old))
+    back = decode_record(sink.getvalue().to_pybytes())
+    assert back.schema_version == "1.2" and back.spans == ()

@@ -292,3 +292,38 @@ def test_without_tools_the_same_text_is_plain_content(scripted):
                                           max_tokens=8)
     assert resp.choices[0].finish_reason == "stop" and resp.choices[0].message.tool_calls is None
     assert resp.choices[0].message.content == "".join(SCRIPT)
+
+
+# ---- what a captured tool turn records -------------------------------------------------------------------
+def test_a_captured_tool_turn_records_which_tokens_are_schemas_tool_output_and_model_text(stack):
+    from adaptive_eagle.spans import answer_span
+    from serving.backend import generate
+
+    history = [{"role": "user", "content": "w5 w6"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": "{\"expr\": \"w7\"}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "w8 w9"}]
+    _, request = parse_chat(body(messages=history, tools=[CALC], max_tokens=4, temperature=0), 64, 16)
+    assert request.message_kinds == ("tools", "user", "assistant", "tool_output")
+    backend = stack.backend("v1", max_prompt_tokens=480)
+    trace = generate(backend, request, capture=True).trace
+    prompt = len(trace.input_ids) - sum(trace.loss_mask)
+    assert [k for _, _, k in trace.spans] == ["tools", "user", "assistant", "tool_output", "model"]
+    assert trace.spans[0][0] == 0 and trace.spans[3][1] <= prompt and trace.spans[-1] == (prompt, len(trace.input_ids),
+                                                                                        "model")
+    assert all(a[1] == b[0] for a, b in zip(trace.spans[:3], trace.spans[1:4]))  # the messages tile the prompt
+    assert generate(backend, request.model_copy(update={"capture": False}), capture=True).trace.spans[:-1] == ()
+    assert answer_span(5, 9, True) == ((5, 9, "constrained"),) and answer_span(5, 5, False) == ()
+    from serving.messages import DecodeRequest
+
+    with pytest.raises(ValueError, match="message_kinds must name each of messages"):
+        DecodeRequest(**{**request.model_dump(), "message_kinds": ("user",)})
+
+
+def test_an_sglang_trace_marks_a_constrained_answer():
+    from serving.messages import DecodeRequest
+    from serving.sglang_backend import trace_from_response
+
+    req = DecodeRequest(request_id="r1", prompt=(1, 2, 3), response_format='{"type": "json_object"}')
+    trace = trace_from_response(req, [1, 2, 3], [4, 5], {}, "v1", "fp", 3)
+    assert trace.spans == ((3, 5, "constrained"),)
