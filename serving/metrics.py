@@ -193,6 +193,9 @@ class GatewayMetrics:
                                  "down, erroring, dead: feature_store.writer.WRITER_STATES)", ["replica", "state"],
                                  registry=r)
         self.store_written = Gauge("ae_capture_written", "Records the store acknowledged", ["replica"], registry=r)
+        self.grammar_failed = Gauge("ae_grammar_failed", "Constrained requests a replica ended because their format "
+                                    "could not go on mid-answer (a 400 error event): a schema the model cannot "
+                                    "finish within its tokens, or a grammar engine fault", ["replica"], registry=r)
         self.replica_up = Gauge("ae_replica_up", "1 when the replica answered its status at the last scrape, 0 when "
                                 "not (its actor died or is restarting)", ["replica"], registry=r)
         self.replica_failures = Counter("ae_replica_failures", "Requests whose replica failed while serving them "
@@ -275,6 +278,7 @@ class GatewayMetrics:
             # without a writer, the server's count
             self.capture_dropped.labels(s.replica).set(store.get("dropped", s.capture.get("dropped_at_put", 0)))
             self.store_written.labels(s.replica).set(store.get("written", 0))
+            self.grammar_failed.labels(s.replica).set(s.grammar_failed)
             for reason, n in (store.get("dropped_by_reason") or {}).items():
                 self.capture_dropped_by_reason.labels(s.replica, reason).set(n)
             if store.get("state"):

@@ -212,3 +212,12 @@ def test_a_response_splits_its_prefill_from_its_decoding_and_the_prefix_cache_is
     assert sample(text, "ae_plain_steps_total", head_version="v1") == again.spec.plain_steps
     assert sample(text, "ae_backend_events_total", replica="r0", event="prefix_cache_hit_tokens") == \
         counts["prefix_cache_hit_tokens"]
+
+
+def test_constrained_requests_a_replica_could_not_finish_are_exported():
+    import dataclasses
+
+    m = GatewayMetrics()
+    m.refresh([dataclasses.replace(status("r0", None), grammar_failed=3), status("r1", None)], 0, 0, 0.0)
+    text = m.render().decode()
+    assert 'ae_grammar_failed{replica="r0"} 3.0' in text and 'ae_grammar_failed{replica="r1"} 0.0' in text
