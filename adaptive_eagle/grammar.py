@@ -25,6 +25,7 @@ import torch
 from adaptive_eagle.tree import DraftTree, subset_tree
 
 MAX_SCHEMA_BYTES = 64 << 10
+MAX_CALLS = 8  # the most tool calls one constrained answer may hold (a parallel required call)
 
 
 class GrammarError(ValueError):
@@ -52,8 +53,9 @@ class Grammars:
 
     def compile(self, spec: dict) -> "Grammar":
         """spec: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}, "strict"}}
-        (the OpenAI response_format), or {"type": "tool_call", "json_schema": {"schema": {...}}}: one tool call
-        in the hermes format whose JSON matches the schema (serving/tools.py builds it from the tools)."""
+        (the OpenAI response_format), or {"type": "tool_call", "json_schema": {"schema": {...}}, "max_calls": n}:
+        one to n tool calls (default 1) in the hermes format, one a line, each JSON matching the schema
+        (serving/tools.py builds it from the tools)."""
         key = spec_key(spec)
         if len(key) > MAX_SCHEMA_BYTES:
             raise GrammarError(f"the response format is {len(key)} bytes of JSON; at most {MAX_SCHEMA_BYTES}")
@@ -63,14 +65,19 @@ class Grammars:
             return hit
         kind = spec.get("type")
         try:
-            if kind == "tool_call":  # a call in the hermes format: <tool_call>\n{name, arguments}\n</tool_call>
+            if kind == "tool_call":  # calls in the hermes format: <tool_call>\n{name, arguments}\n</tool_call>
                 xgr, schema = self.xgr, spec.get("json_schema", {}).get("schema")
                 if not isinstance(schema, dict):
                     raise GrammarError("tool_call: json_schema.schema must be a JSON Schema object")
+                most = spec.get("max_calls", 1)
+                if not isinstance(most, int) or isinstance(most, bool) or not 1 <= most <= MAX_CALLS:
+                    raise GrammarError(f"tool_call: max_calls must be an integer in [1, {MAX_CALLS}], got {most!r}")
                 call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-                compiled = self.compiler.compile_grammar(xgr.Grammar.concat(
-                    xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), call,
-                    xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"')))
+                one = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), call,
+                                         xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+                line = xgr.Grammar.from_ebnf('root ::= "\\n"')
+                chains = [one] + [xgr.Grammar.concat(*([one] + [line, one] * (k - 1))) for k in range(2, most + 1)]
+                compiled = self.compiler.compile_grammar(chains[0] if most == 1 else xgr.Grammar.union(*chains))
                 return self._keep(key, compiled)
             if kind == "json_object":  # OpenAI's JSON mode: any JSON object
                 schema, strict = {"type": "object"}, False

@@ -34,6 +34,7 @@ MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 64 << 10  # the tools' JSON, all together
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARALLEL_CALLS = 4  # the most calls a required or named tool_choice admits with parallel_tool_calls (grammar.py)
 
 
 class ToolError(ValueError):
@@ -144,16 +145,18 @@ def check_tools(tools: Optional[list[ToolDef]], choice: Optional[ToolChoice], pa
 
 
 def call_format(spec: Optional[ToolSpec]) -> Optional[dict]:
-    """The grammar a call-promising tool_choice decodes under (adaptive_eagle/grammar.py's "tool_call"): exactly
-    one call, in the hermes format, to any tool ("required") or to the named one, its arguments matching the
-    tool's parameters. None for "auto" and "none"."""
+    """The grammar a call-promising tool_choice decodes under (adaptive_eagle/grammar.py's "tool_call"): calls in
+    the hermes format to any tool ("required") or to the named one, arguments matching the tool's parameters;
+    with parallel_tool_calls, one to PARALLEL_CALLS of them (one a line), else exactly one. None for "auto" and
+    "none"."""
     if spec is None or spec.choice not in ("required", "function"):
         return None
     options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                  "arguments": t["function"].get("parameters") or {"type": "object"}},
                 "required": ["name", "arguments"], "additionalProperties": False}
                for t in spec.tools if spec.choice == "required" or t["function"]["name"] == spec.forced]
-    return {"type": "tool_call", "json_schema": {"schema": options[0] if len(options) == 1 else {"anyOf": options}}}
+    return {"type": "tool_call", "json_schema": {"schema": options[0] if len(options) == 1 else {"anyOf": options}},
+            "max_calls": PARALLEL_CALLS if spec.parallel else 1}
 
 
 def check_history(messages: list) -> None:

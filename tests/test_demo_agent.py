@@ -86,7 +86,8 @@ def test_an_agent_task_is_a_required_call_then_the_tools_result_sent_back_under_
     assert "<tool_response>\n42\n</tool_response>" in request.messages[-1]["content"]
     assert "# Tools" in request.messages[0]["content"] and request.response_format is None
     _, request = parse_chat(first.chat_body("m", 32), 256, 32)
-    assert json.loads(request.response_format)["type"] == "tool_call" and request.max_tokens == agent.CALL_TOKENS
+    fmt = json.loads(request.response_format)
+    assert fmt["type"] == "tool_call" and fmt["max_calls"] == 1 and request.max_tokens == agent.CALL_TOKENS
     # the task ends after the second turn, a failed turn, or a first turn without calls
     assert next_turn(second, _answer(second, [call]), agent.Toolbox([]), 32) is None
     assert next_turn(first, _answer(first, [call], ok=False), agent.Toolbox([]), 32) is None

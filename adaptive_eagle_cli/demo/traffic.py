@@ -46,6 +46,7 @@ class Prompt:
     session: object = None  # domain `sessions`: the bench/sessions.py Session whose turns the client sends
     tools: tuple = ()  # agent domains: the tool set offered (OpenAI tool dicts); messages may then hold tool turns
     tool_choice: Optional[str] = None
+    parallel_tool_calls: Optional[bool] = None  # None: the endpoint's default (true)
     max_tokens: Optional[int] = None  # this request's own budget (a required call's), else the traffic's
 
     def chat_body(self, model: str, max_tokens: int) -> dict:
@@ -54,6 +55,8 @@ class Prompt:
                 "max_tokens": self.max_tokens or max_tokens}
         if self.tools:
             body.update(tools=list(self.tools), tool_choice=self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = self.parallel_tool_calls
         return body
 
 
@@ -340,10 +343,11 @@ class Traffic:
 
 
 def first_turn(entry: Prompt, max_tokens: int) -> Prompt:
-    """An agent task's first request: the task, the domain's tools, one call required."""
+    """An agent task's first request: the task, the domain's tools, exactly one call required (no parallel calls:
+    a task is one call and its result)."""
     turn = agent.first_turn(entry.messages[-1]["content"], entry.domain, max_tokens)
     return Prompt(turn.messages, entry.domain, tools=turn.tools, tool_choice=turn.tool_choice,
-                  max_tokens=turn.max_tokens)
+                  parallel_tool_calls=False, max_tokens=turn.max_tokens)
 
 
 def next_turn(sent: Prompt, answer: RequestResult, toolbox: agent.Toolbox, max_tokens: int) -> Optional[Prompt]:

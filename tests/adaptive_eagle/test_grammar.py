@@ -161,9 +161,11 @@ def test_constrained_sampling_keeps_the_constrained_target_distribution(setup):
     assert stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue > 1e-3, (obs, exp)
 
 
-def test_a_required_tool_call_always_parses_as_a_call_to_a_given_tool(setup):
-    """tool_choice "required" (serving/tools.py's call_format): every answer is one hermes tool call whose
-    arguments match the tool's parameters, speculative output equal to plain."""
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_required_tool_call_always_parses_as_a_call_to_a_given_tool(setup, parallel):
+    """tool_choice "required" (serving/tools.py's call_format): every answer is hermes tool calls (one, or with
+    parallel_tool_calls one to PARALLEL_CALLS) whose arguments match the tool's parameters, speculative output
+    equal to plain."""
     from serving.tools import ToolDef, call_format, check_tools, parse
 
     target, spec, plain = setup
@@ -172,20 +174,30 @@ def test_a_required_tool_call_always_parses_as_a_call_to_a_given_tool(setup):
         "required": ["a", "b"], "additionalProperties": False}}}),
         ToolDef.model_validate({"type": "function", "function": {"name": "echo", "parameters": {
             "type": "object", "properties": {"s": {"type": "string", "maxLength": 6}}, "required": ["s"]}}})]
-    tspec = check_tools(tools, "required", None)
+    from serving.tools import PARALLEL_CALLS
+
+    tspec = check_tools(tools, "required", parallel)
     fmt = call_format(tspec)
     engine = spec["tree"]
-    sp = SamplingParams(max_tokens=80)
+    sp = SamplingParams(max_tokens=200 if parallel else 80)  # the tiny target holds 256 positions
+    counts = []
     for p in prompts(8, seed=21):
         out = engine.generate(p, sp, grammar=engine.grammar(fmt))
         assert out.token_ids == plain.generate(p, sp, grammar=plain.grammar(fmt)).token_ids
         assert out.finish_reason == "stop", out.text
         text = "".join(target.tokenizer.convert_ids_to_tokens(out.token_ids[:-1]))  # the char tokens, EOS cut
         content, calls = parse(text, tspec)
-        assert content is None and len(calls) == 1, text
-        args = json.loads(calls[0]["function"]["arguments"])
-        assert calls[0]["function"]["name"] in ("add", "echo")
-        assert set(args) == ({"a", "b"} if calls[0]["function"]["name"] == "add" else {"s"})
+        assert content is None and 1 <= len(calls) <= (PARALLEL_CALLS if parallel else 1), text
+        for call in calls:
+            args = json.loads(call["function"]["arguments"])
+            assert call["function"]["name"] in ("add", "echo")
+            assert set(args) == ({"a", "b"} if call["function"]["name"] == "add" else {"s"})
+        counts.append(len(calls))
+    # one call each without parallel calls; with them these prompts give one answer of two calls (the
+    # multi-call grammar exercised, speculative equal to plain)
+    assert set(counts) == {1} if not parallel else max(counts) >= 2, counts
+    with pytest.raises(GrammarError, match="max_calls"):
+        engine.grammar({**fmt, "max_calls": 99})
 
 
 def test_formats_the_grammar_engine_cannot_serve_are_refused_with_a_reason(setup):

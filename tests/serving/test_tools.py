@@ -19,7 +19,8 @@ from serving.messages import Delta, Finished
 from serving.openai_api import ApiError, parse_chat
 from serving.router import LocalReplica
 from serving.server import DecodeServer
-from serving.tools import MAX_TOOLS, CallStream, NamedChoice, ToolDef, ToolSpec, call_format, check_tools, parse
+from serving.tools import (MAX_TOOLS, PARALLEL_CALLS, CallStream, NamedChoice, ToolDef, ToolSpec, call_format,
+                           check_tools, parse)
 from tests.serving.test_gateway import KEY, MODEL, config
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
@@ -182,7 +183,7 @@ def test_check_tools_defaults_to_auto_and_parallel_calls():
     assert spec.active and spec.parallel and spec.choice == "auto" and call_format(spec) is None
 
 
-def test_required_and_named_choices_decode_under_a_one_call_grammar():
+def test_required_and_named_choices_decode_under_a_call_grammar_of_one_or_parallel_calls():
     tools = [ToolDef.model_validate(WEATHER), ToolDef.model_validate(CALC)]
     named = check_tools(tools, NamedChoice.model_validate({"type": "function", "function": {"name": "calc"}}), None)
     fmt = call_format(named)
@@ -191,8 +192,11 @@ def test_required_and_named_choices_decode_under_a_one_call_grammar():
     required = call_format(check_tools(tools, "required", False))
     assert [o["properties"]["name"]["const"] for o in required["json_schema"]["schema"]["anyOf"]] == [
         "get_weather", "calc"]
-    _, req = parse_chat(body(tools=[WEATHER, CALC], tool_choice="required"), 64, 16)
+    assert required["max_calls"] == 1 and fmt["max_calls"] == PARALLEL_CALLS  # parallel_tool_calls: default true
+    _, req = parse_chat(body(tools=[WEATHER, CALC], tool_choice="required", parallel_tool_calls=False), 64, 16)
     assert json.loads(req.response_format) == required
+    _, req = parse_chat(body(tools=[WEATHER, CALC], tool_choice="required"), 64, 16)
+    assert json.loads(req.response_format) == {**required, "max_calls": PARALLEL_CALLS}
     with pytest.raises(ApiError) as err:
         parse_chat(body(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), 64, 16)
     assert err.value.param == "response_format" and "cannot both" in err.value.message
