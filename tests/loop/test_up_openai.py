@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from adaptive_eagle.cli import SHIPPED_HEAD
+from serving.tools import PARALLEL_CALLS
 
 pytestmark = pytest.mark.slow
 
@@ -104,11 +105,15 @@ ASK = [{"role": "system", "content": "You are a helpful assistant."},
 def test_tools_under_every_tool_choice_and_a_history_with_calls_and_results(client):
     args = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=96)
     required = client.chat.completions.create(**args, tool_choice="required").choices[0]
-    calls = _calls(required.message)
-    assert required.finish_reason == "tool_calls" and len(calls) == 1 and _valid(*calls[0])
+    calls = _calls(required.message)  # parallel_tool_calls defaults to true: one to PARALLEL_CALLS calls
+    assert required.finish_reason == "tool_calls" and 1 <= len(calls) <= PARALLEL_CALLS
+    assert all(_valid(*c) for c in calls)
+    one = client.chat.completions.create(**args, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert len(_calls(one.message)) == 1 and _valid(*_calls(one.message)[0])
     named = client.chat.completions.create(**args, tool_choice={"type": "function",
                                                                 "function": {"name": "calculator"}}).choices[0]
-    assert [name for name, _ in _calls(named.message)] == ["calculator"] and _valid(*_calls(named.message)[0])
+    assert {name for name, _ in _calls(named.message)} == {"calculator"}
+    assert all(_valid(*c) for c in _calls(named.message))
     none = client.chat.completions.create(**args, tool_choice="none").choices[0]
     assert none.message.tool_calls is None and none.message.content and none.finish_reason in ("stop", "length")
     auto = client.chat.completions.create(**args, tool_choice="auto").choices[0]
