@@ -12,9 +12,12 @@ Owns: computing spans. Must not touch: decoding, capture policy, storage.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 from adaptive_eagle.trace import SPAN_KINDS
+
+log = logging.getLogger(__name__)
 
 
 def _template_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
@@ -27,12 +30,17 @@ def message_spans(tokenizer, messages: Sequence[dict], kinds: Optional[Sequence[
                   prompt_ids: Sequence[int]) -> tuple[tuple[int, int, str], ...]:
     """(start, end, kind) of each message of a chat prompt templated into `prompt_ids`; kinds: what each message
     is (None: its role; a role outside SPAN_KINDS leaves its message unmarked). () when the template is not
-    prefix-consistent for these messages."""
+    prefix-consistent for these messages or refuses one of their prefixes (spans are a record's metadata: they
+    never fail a request)."""
     kinds = list(kinds) if kinds is not None else [str(m.get("role")) for m in messages]
     prompt = list(prompt_ids)
     spans, start = [], 0
     for k in range(1, len(messages) + 1):
-        ids = _template_ids(tokenizer, messages[:k])
+        try:
+            ids = _template_ids(tokenizer, messages[:k])
+        except Exception:  # noqa: BLE001 - a template may refuse a partial conversation: no spans, never a failure
+            log.debug("no spans: the chat template refused the first %d messages", k, exc_info=True)
+            return ()
         if ids[:start] != prompt[:start] or ids != prompt[:len(ids)] or len(ids) <= start:
             return ()
         if kinds[k - 1] in SPAN_KINDS:

@@ -331,3 +331,17 @@ def test_an_sglang_trace_marks_a_constrained_answer():
     req = DecodeRequest(request_id="r1", prompt=(1, 2, 3), response_format='{"type": "json_object"}')
     trace = trace_from_response(req, [1, 2, 3], [4, 5], {}, "v1", "fp", 3)
     assert trace.spans == ((3, 5, "constrained"),)
+
+
+def test_a_template_that_refuses_a_prefix_gives_no_spans_and_never_fails():
+    from adaptive_eagle.spans import message_spans
+
+    class Strict:  # test code: a template that only takes whole conversations ending with a user turn
+        def apply_chat_template(self, messages, **kw):
+            if messages[-1]["role"] != "user":
+                raise ValueError("roles must alternate")
+            return list(range(3 * len(messages)))
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert message_spans(Strict(), msgs, None, list(range(6))) == ()
+    assert message_spans(Strict(), msgs[1:], None, [0, 1, 2, 9]) == ((0, 3, "user"),)
