@@ -609,7 +609,7 @@ class SpeculativeEngine:
             capture_consent=request.consent, aux_hidden=aux, final_hidden=final,
             aux_layer_ids=tuple(self.target.aux_layer_ids) if aux is not None else (),
             compute=state.binding.compute, lossless=state.binding.lossless,
-            spans=tuple(request.spans) + answer_span(len(prompt_ids), len(ids), state.constraint is not None),
+            spans=answer_span(len(prompt_ids), len(ids), state.constraint is not None),
         )
         return GenerationResult(text, list(generated), state.stops.finish, trace, time.perf_counter() - state.t0,
                                 state.steps, shown, state.constraint.mask_s if state.constraint is not None else 0.0)

@@ -37,7 +37,6 @@ class GenerationRequest:
     generator: "torch.Generator | None" = None  # sampling randomness (None: torch's default generator)
     binding: "HeadBinding | None" = None  # decode with this prepared head (`engine.bind`) instead of the installed one
     grammar: "Grammar | None" = None  # constrain the output (`engine.grammar(response_format)`): grammar.py
-    spans: tuple = ()  # the prompt's (start, end, kind) spans (spans.message_spans), carried into the trace
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):

@@ -226,14 +226,10 @@ class ReferenceBackend:
         if request.temperature > 0:
             generator = torch.Generator().manual_seed(request.seed if request.seed is not None
                                                       else int(time.time_ns() % (1 << 62)))
-        capture = capture and request.capture
-        spans = ()
-        if capture and request.messages and self.engine.target.tokenizer is not None:
-            spans = message_spans(self.engine.target.tokenizer, request.messages, request.message_kinds, prompt_ids)
-        return GenerationRequest(prompt_ids, request.sampling(), request.stop, capture=capture,
+        return GenerationRequest(prompt_ids, request.sampling(), request.stop, capture=capture and request.capture,
                                  request_id=request.request_id, tenant=request.tenant, domain=request.domain,
                                  consent=request.capture, generator=generator, binding=self._binding_for(request),
-                                 grammar=self._grammar(request), spans=spans)
+                                 grammar=self._grammar(request))
 
     def stream(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> Iterator[BackendItem]:
         gen = self.generation_request(request, prompt_ids, capture)
@@ -243,8 +239,19 @@ class ReferenceBackend:
             if isinstance(item, StepOutput):
                 yield TokenChunk(item.token_ids, item.text)
             else:
-                yield BackendResult(tuple(item.token_ids), item.output_text, item.finish_reason, item.trace,
-                                    item.elapsed_s, arm)
+                yield BackendResult(tuple(item.token_ids), item.output_text, item.finish_reason,
+                                    self._with_spans(item.trace, request, prompt_ids, gen.capture), item.elapsed_s, arm)
+
+    def _with_spans(self, trace: TraceRecord, request: DecodeRequest, prompt_ids: list[int],
+                    captured: bool) -> TraceRecord:
+        """A captured chat request's trace with its prompt's message spans before the answer's (the engine's),
+        found after the last token so that a request's time to first token never pays for them (about 50 ms
+        for a 22-message, 3.3k-token session on 2 cores)."""
+        tok = self.engine.target.tokenizer
+        if not captured or not request.messages or tok is None:
+            return trace
+        return replace(trace, spans=message_spans(tok, request.messages, request.message_kinds, prompt_ids)
+                       + trace.spans)
 
     def _binding_for(self, request: DecodeRequest) -> Optional[HeadBinding]:
         """The frozen baseline's binding for the holdback arm's share of requests; the canary's for its share (or
