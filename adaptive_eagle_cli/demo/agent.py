@@ -205,15 +205,15 @@ def first_turn(task: str, domain: str, max_tokens: int) -> AgentTurn:
                      "required", max(max_tokens, CALL_TOKENS))
 
 
-def second_turn(turn: AgentTurn, calls: Sequence[tuple[str, str, str]], toolbox: Toolbox,
+def second_turn(messages: tuple, tools: tuple, calls: Sequence[tuple[str, str, str]], toolbox: Toolbox,
                 max_tokens: int) -> AgentTurn:
-    """The history after the model's calls ((id, name, arguments) each): the assistant message with the calls and
-    one tool message per call with what the tool returned."""
+    """The history `messages` after the model's calls ((id, name, arguments) each): the assistant message with the
+    calls and one tool message per call with what the tool returned; the same tools, tool_choice "auto"."""
     assistant = {"role": "assistant", "content": None, "tool_calls": [
         {"id": cid, "type": "function", "function": {"name": name, "arguments": args}} for cid, name, args in calls]}
     results = tuple({"role": "tool", "tool_call_id": cid, "content": toolbox.run(name, args)}
                     for cid, name, args in calls)
-    return AgentTurn(turn.messages + (assistant,) + results, turn.tools, "auto", max_tokens)
+    return AgentTurn(messages + (assistant,) + results, tools, "auto", max_tokens)
 
 
 def canonical(content: Optional[str], calls: Sequence[tuple[str, str]]) -> str:

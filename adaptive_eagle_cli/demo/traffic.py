@@ -355,8 +355,7 @@ def next_turn(sent: Prompt, answer: RequestResult, toolbox: agent.Toolbox, max_t
     None when the task is over (the answer was the second turn's, failed, or called nothing)."""
     if sent.tool_choice != "required" or not answer.ok or not answer.tool_calls:
         return None
-    turn = agent.second_turn(agent.AgentTurn(sent.messages, sent.tools, "required", max_tokens), answer.tool_calls,
-                             toolbox, max_tokens)
+    turn = agent.second_turn(sent.messages, sent.tools, answer.tool_calls, toolbox, max_tokens)
     return Prompt(turn.messages, sent.domain, tools=turn.tools, tool_choice=turn.tool_choice)
 
 
