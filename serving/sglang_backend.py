@@ -218,7 +218,8 @@ def _failure_kind(e: Exception) -> str:
 
 def trace_from_response(request: DecodeRequest, prompt_ids: list[int], output_ids: list[int], meta: dict,
                         head_version: str, fingerprint: str, draft_tokens: int, tokenizer=None) -> TraceRecord:
-    """The trace of an SGLang answer; with `tokenizer`, a chat request's spans (adaptive_eagle.spans)."""
+    """The trace of an SGLang answer; with `tokenizer` (a request the server captures), a chat request's prompt
+    spans (adaptive_eagle.spans)."""
     ids = list(prompt_ids) + list(output_ids)
     spans = ()
     if tokenizer is not None and request.messages and request.capture:
@@ -289,8 +290,8 @@ class SGLangBackend:
         return [int(t) for t in ids]
 
     def stream(self, request: DecodeRequest, prompt_ids: list[int], capture: bool) -> Iterator[BackendItem]:
-        """Streams /generate. `capture` is ignored: the trace carries tokens only and the trainer regenerates
-        hidden states (docs/architecture.md says why). An abort, an error chunk, a broken or unfinished stream
+        """Streams /generate. The trace carries tokens only and the trainer regenerates hidden states
+        (docs/architecture.md says why); `capture` (the server keeps this request) adds the prompt's spans. An abort, an error chunk, a broken or unfinished stream
         raise (RequestError when SGLang refused the request, else SGLangError): never a truncated answer."""
         t0 = time.perf_counter()
         with self._gate.request():
@@ -306,7 +307,7 @@ class SGLangBackend:
         if straddled:
             self._count("straddled_requests")
         trace = trace_from_response(request, prompt_ids, asm.tokens, meta, version, self.fingerprint,
-                                    self.cfg.num_draft_tokens - 1, self.tokenizer)
+                                    self.cfg.num_draft_tokens - 1, self.tokenizer if capture else None)
         yield BackendResult(tuple(asm.tokens), self.decode(asm.tokens), finish, trace, time.perf_counter() - t0)
 
     def _read_stream(self, request: DecodeRequest, prompt_ids: list[int], asm: StreamAssembler):
