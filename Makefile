@@ -29,14 +29,20 @@ $(STAMP): pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# the SGLang wheel whose source the contract tests read with ast (tests/serving/test_sglang_contract.py):
-# downloaded once, without dependencies, never installed (SGLang needs a GPU); make test requires it
+# the SGLang wheel whose source the contract tests read with ast (tests/serving/test_sglang_contract.py), and
+# the xgrammar it pins (its grammar backend compiles what SGLang replicas are sent; a contract test runs it on
+# the EBNF the project sends): downloaded once, without dependencies, never installed; make test requires them
 SGLANG_VERSION := 0.5.23
+SGLANG_XGRAMMAR := 0.2.7
 SGLANG_WHEEL_DIR := .cache/wheels
+WHEEL_PLATFORM := --only-binary=:all: --implementation cp --python-version 3.11 --abi cp311
 sglang-wheel: setup
 	@ls $(SGLANG_WHEEL_DIR)/sglang-$(SGLANG_VERSION)-*.whl >/dev/null 2>&1 || \
-	  $(PIP) download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.11 --abi cp311 \
-	    --platform manylinux_2_34_x86_64 -d $(SGLANG_WHEEL_DIR) sglang==$(SGLANG_VERSION)
+	  $(PIP) download -q --no-deps $(WHEEL_PLATFORM) --platform manylinux_2_34_x86_64 -d $(SGLANG_WHEEL_DIR) \
+	    sglang==$(SGLANG_VERSION)
+	@ls $(SGLANG_WHEEL_DIR)/xgrammar-$(SGLANG_XGRAMMAR)-*.whl >/dev/null 2>&1 || \
+	  $(PIP) download -q --no-deps $(WHEEL_PLATFORM) --platform manylinux_2_28_x86_64 -d $(SGLANG_WHEEL_DIR) \
+	    xgrammar==$(SGLANG_XGRAMMAR)
 
 redis-server:
 	@command -v redis-server >/dev/null || { \

@@ -36,6 +36,41 @@ def spec_key(spec: dict) -> str:
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
 
 
+def tool_call_grammar(spec: dict):
+    """The language of a {"type": "tool_call", "json_schema": {"schema": ...}, "max_calls": n} spec, tokenizer-free
+    (an xgrammar Grammar): one to n calls in the hermes format, one a line,
+    <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>, each call's JSON matching the schema in one
+    whitespace layout. The reference engine compiles this grammar; SGLang replicas get its EBNF text
+    (`tool_call_ebnf`), which names the same language, for SGLang's own grammar backend."""
+    import xgrammar as xgr
+
+    schema = (spec.get("json_schema") or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise GrammarError("tool_call: json_schema.schema must be a JSON Schema object")
+    most = spec.get("max_calls", 1)
+    if not isinstance(most, int) or isinstance(most, bool) or not 1 <= most <= MAX_CALLS:
+        raise GrammarError(f"tool_call: max_calls must be an integer in [1, {MAX_CALLS}], got {most!r}")
+    call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    one = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), call,
+                             xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+    line, nothing = xgr.Grammar.from_ebnf('root ::= "\\n"'), xgr.Grammar.from_ebnf('root ::= ""')
+    more = None  # after a call: nothing, or a line and another call (and what may follow that), n-1 deep
+    for _ in range(most - 1):
+        more = xgr.Grammar.union(nothing, xgr.Grammar.concat(*([line, one] + ([more] if more is not None else []))))
+    return one if more is None else xgr.Grammar.concat(one, more)
+
+
+def tool_call_ebnf(spec: dict) -> str:
+    """`tool_call_grammar` as EBNF text (what SGLang's SamplingParams.ebnf takes). Raises GrammarError when the
+    schema cannot be compiled."""
+    try:
+        return str(tool_call_grammar(spec))
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the grammar engine refuses a schema with its own exception types
+        raise GrammarError(f"the grammar engine cannot compile this schema: {type(e).__name__}: {e}") from None
+
+
 class Grammars:
     """Compiles response formats for one tokenizer (vocab_size: the target's logits width, which may exceed the
     tokenizer's). Thread-safe; compiled grammars are cached by their spec."""
@@ -65,20 +100,8 @@ class Grammars:
             return hit
         kind = spec.get("type")
         try:
-            if kind == "tool_call":  # calls in the hermes format: <tool_call>\n{name, arguments}\n</tool_call>
-                xgr, schema = self.xgr, spec.get("json_schema", {}).get("schema")
-                if not isinstance(schema, dict):
-                    raise GrammarError("tool_call: json_schema.schema must be a JSON Schema object")
-                most = spec.get("max_calls", 1)
-                if not isinstance(most, int) or isinstance(most, bool) or not 1 <= most <= MAX_CALLS:
-                    raise GrammarError(f"tool_call: max_calls must be an integer in [1, {MAX_CALLS}], got {most!r}")
-                call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-                one = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'), call,
-                                         xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
-                line = xgr.Grammar.from_ebnf('root ::= "\\n"')
-                chains = [one] + [xgr.Grammar.concat(*([one] + [line, one] * (k - 1))) for k in range(2, most + 1)]
-                compiled = self.compiler.compile_grammar(chains[0] if most == 1 else xgr.Grammar.union(*chains))
-                return self._keep(key, compiled)
+            if kind == "tool_call":
+                return self._keep(key, self.compiler.compile_grammar(tool_call_grammar(spec)))
             if kind == "json_object":  # OpenAI's JSON mode: any JSON object
                 schema, strict = {"type": "object"}, False
             elif kind == "json_schema":

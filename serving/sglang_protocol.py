@@ -24,6 +24,11 @@ Facts from the 0.5.23 source this module relies on (each one checked by the cont
   update with `weight_version` sets it); `weight_versions` lists spans when a request straddled one.
 - Unknown keys in request bodies are ignored silently upstream (except inside `sampling_params`),
   so a misspelled field is a no-op there: the stand-in in the tests refuses them instead.
+- `sampling_params` takes one constraint of `json_schema`, `regex`, `ebnf`, `structural_tag`; SGLang's
+  xgrammar backend compiles `ebnf` text with `GrammarCompiler.compile_grammar` (xgrammar 0.2.7 pinned by
+  the wheel) and aborts a request whose grammar does not compile with status 400. Response formats go as
+  `json_schema`; a required or named tool_choice goes as the EBNF of the very grammar the reference engine
+  compiles (adaptive_eagle/grammar.py `tool_call_ebnf`), so both replica kinds constrain to one language.
 - `/update_weights_from_tensor` takes `serialized_named_tensors`, one base64 string per tensor-parallel
   rank; each is a pickle that SGLang reads with an allow-list of globals. This module only writes one
   (`named_tensor_payload`: CPU tensors by value, through globals that list admits, so the caller needs no
@@ -39,6 +44,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Optional
 
+from adaptive_eagle.grammar import GrammarError, tool_call_ebnf
 from adaptive_eagle.trace import VerifyStep
 from serving.backend import RequestError
 from serving.messages import DecodeRequest
@@ -106,10 +112,13 @@ def generate_body(request: DecodeRequest, prompt_ids: list[int]) -> dict:
         sp["stop"] = list(request.stop)  # SGLang stops there; the replica still cuts the text itself
     if request.response_format is not None:  # SGLang's own grammar backend constrains it (xgrammar by default)
         fmt = json.loads(request.response_format)
-        if fmt.get("type") == "tool_call":
-            raise RequestError("tool_choice: a required or named tool call is constrained on reference replicas "
-                               "only; on SGLang replicas use \"auto\"", "tool_choice")
-        sp["json_schema"] = json.dumps(json_schema_of(fmt))
+        if fmt.get("type") == "tool_call":  # the hermes calls' grammar the reference engine compiles, as EBNF
+            try:
+                sp["ebnf"] = tool_call_ebnf(fmt)
+            except GrammarError as e:
+                raise RequestError(f"tools: {e}", "tools") from None
+        else:
+            sp["json_schema"] = json.dumps(json_schema_of(fmt))
     return {"rid": request.request_id, "input_ids": list(prompt_ids), "sampling_params": sp, "stream": True}
 
 

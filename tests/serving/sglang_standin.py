@@ -58,7 +58,8 @@ FIELDS = {
     "/end_weight_update": set(),
     "/weights_checker": {"action", "selector"},
 }
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "sampling_seed", "stop"}
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "sampling_seed", "stop", "json_schema", "ebnf"}
+CONSTRAINTS = ("json_schema", "regex", "ebnf", "structural_tag")  # SamplingParams.verify: at most one
 SELECTORS = ("target", "draft", "all")
 EAGLE_MAX_RUNNING_REQUESTS = 48  # speculative_hook._handle_eagle_family, when --max-running-requests is unset
 # the globals an update payload may use (a subset of upstream's allow-list) and the one upstream redirects to
@@ -206,6 +207,9 @@ class SGLangStandIn:
         sp = body.get("sampling_params") or {}
         if bad := sorted(set(sp) - SAMPLING_FIELDS):
             return self._refuse("/generate", f"unknown field `{bad[0]}`")
+        if sum(sp.get(k) is not None for k in CONSTRAINTS) > 1:
+            return self._refuse("/generate", "Only one of json_schema, regex, ebnf, or structural_tag can be set.")
+        body = dict(body, _grammar_abort=self._grammar_abort(sp))
         if not body.get("stream"):
             last = None
             for chunk in self._chunks(body, sp, incremental=False):
@@ -213,6 +217,22 @@ class SGLangStandIn:
             return httpx.Response(200, json=last)
         return httpx.Response(200, headers={"content-type": "text/event-stream"},
                               content=self._sse(body, sp))
+
+    @staticmethod
+    def _grammar_abort(sp: dict):
+        """Compile the request's constraint as the xgrammar backend's dispatch_json / dispatch_ebnf would (the
+        grammar alone: the stand-in's word vocabulary is no tokenizer xgrammar could mask); a grammar that does
+        not compile aborts the request with status 400 (grammar_manager: set_finish_with_abort). The stand-in's
+        tokens are a hash of the prompt and never follow the grammar: what it checks is what SGLang is sent."""
+        import xgrammar as xgr
+
+        for key, build in (("json_schema", xgr.Grammar.from_json_schema), ("ebnf", xgr.Grammar.from_ebnf)):
+            if sp.get(key) is not None:
+                try:
+                    build(sp[key])
+                except Exception as e:  # noqa: BLE001 - upstream catches RuntimeError and friends alike
+                    return (f"Failed to compile {'json' if key == 'json_schema' else key} grammar: {e}", 400)
+        return None
 
     def _sse(self, body, sp):
         """The request holds the read side of the update lock and a running slot from its first chunk until its
@@ -280,6 +300,11 @@ class SGLangStandIn:
                 yield {"error": {"message": message, "type": "invalid_request_error", "code": code}}
                 return
             last = i == len(steps) - 1
+            if body["_grammar_abort"] is not None:  # aborted before it was scheduled: no token
+                message, status = body["_grammar_abort"]
+                yield {"text": "", "output_ids": [], "meta_info": dict(meta, completion_tokens=0, finish_reason={
+                    "type": "abort", "message": message, "status_code": status, "err_type": "BadRequestError"})}
+                return
             if self.abort is not None and (last or i == 1):
                 message, status = self.abort
                 meta["finish_reason"] = {"type": "abort", "message": message, "status_code": status, "err_type": None}

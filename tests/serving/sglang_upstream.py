@@ -73,6 +73,14 @@ class Upstream:
         self.wheel = wheel
         self._zip = zipfile.ZipFile(wheel)
 
+    def pinned(self, requirement: str) -> str:
+        """The exact version the wheel's METADATA pins a dependency to (Requires-Dist: name==version)."""
+        meta = next(n for n in self._zip.namelist() if n.endswith(".dist-info/METADATA"))
+        for line in self._zip.read(meta).decode().splitlines():
+            if line.startswith(f"Requires-Dist: {requirement}=="):
+                return line.split("==", 1)[1].split(";")[0].strip()
+        raise LookupError(f"the wheel's METADATA pins no exact {requirement} version")
+
     def source(self, module_path: str) -> str:
         return self._zip.read(f"sglang/{module_path}").decode()
 

@@ -8,22 +8,40 @@ running worker keeps its launch vocabulary map, streams are cumulative unless as
 field sets. Under `make test` the wheel is required (SGLANG_WHEEL is set): a missing wheel fails these tests.
 """
 
+import ast
 import base64
+import json
+import os
 import pickletools
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from adaptive_eagle.grammar import tool_call_ebnf
+from serving import tools
+from serving.backend import RequestError
 from serving.messages import DecodeRequest
 from serving.sglang_backend import SGLangBackend, SGLangConfig, launch_sglang
 from serving.sglang_protocol import (CHECKSUM_FIELDS, DRAFT, ENDPOINTS, FINISH_FIELDS, LEGACY_SPEC_FIELDS, META_FIELDS,
                                      TARGET, UPDATE_FIELDS, begin_update_body, checksum_body, end_update_body,
-                                     generate_body, named_tensor_payload, tensor_update_bodies, warmup_body)
+                                     finish_reason_of, generate_body, named_tensor_payload, tensor_update_bodies,
+                                     warmup_body)
 from tests.serving import sglang_standin as standin
 from tests.serving.sglang_upstream import Upstream, _keys, wheel_path
 
 REPO = Path(__file__).resolve().parents[2]
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                                        "maxLength": 12}},
+                                                 "required": ["city"], "additionalProperties": False}}
+CALC = {"name": "calc", "parameters": {"type": "object", "properties": {"x": {"type": "number"},
+                                                                        "tags": {"type": "array",
+                                                                                 "items": {"type": "string"}}}}}
+CALL_FORMAT = tools.call_format(tools.check_tools([tools.ToolDef(type="function", function=f) for f in (WEATHER, CALC)],
+                                                  "required", None))
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +53,9 @@ def bodies() -> dict[str, list[dict]]:
     """Every body the protocol module builds, by endpoint name, with every optional field present."""
     req = DecodeRequest(request_id="r", prompt=(1, 2), temperature=0.7, top_p=0.9, top_k=5, seed=3, stop=("x",),
                         response_format='{"type": "json_object"}')
+    call = DecodeRequest(request_id="c", prompt=(1, 2), response_format=json.dumps(CALL_FORMAT))
     tensors = {"fc.weight": torch.zeros(2, 2), "d2t": torch.zeros(2, dtype=torch.int64)}
-    return {"generate": [generate_body(req, [1, 2]), warmup_body([1], "w")], "begin_update": [begin_update_body()],
+    return {"generate": [generate_body(req, [1, 2]), generate_body(call, [1, 2]), warmup_body([1], "w")], "begin_update": [begin_update_body()],
             "tensor_update": tensor_update_bodies(tensors, "v2", tp_size=2, max_bytes=8),
             "end_update": [end_update_body()], "checksum": [checksum_body(DRAFT), checksum_body(TARGET)]}
 
@@ -272,3 +291,74 @@ def test_the_stand_in_refuses_what_upstream_refuses(tmp_path):
     assert client.post("/end_weight_update", json={}).json()["success"]
     r = client.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "seed": 1}})
     assert r.status_code == 400 and "seed" in r.json()["error"]
+
+
+def _call(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+ONE = _call("get_weather", {"city": "Paris"})
+CALL_TEXTS = {  # text -> whether a required call (parallel: up to tools.PARALLEL_CALLS) may be it
+    ONE: True, ONE + "\n" + _call("calc", {"x": 2.5, "tags": ["a"]}): True,
+    "\n".join([ONE] * tools.PARALLEL_CALLS): True, "\n".join([ONE] * (tools.PARALLEL_CALLS + 1)): False,
+    ONE + "\n": False, "Sure. " + ONE: False, _call("get_weather", {"city": "Parisssssssss"}): False,
+    _call("get_weather", {"city": "Paris", "units": "C"}): False, _call("get_time", {}): False,
+    ONE.replace(": ", ":"): False,  # one whitespace layout
+}
+ACCEPTS = """
+import json, sys, xgrammar
+from xgrammar.testing import _is_grammar_accept_string
+grammar = xgrammar.Grammar.from_ebnf(open(sys.argv[1]).read())
+print(json.dumps({"where": xgrammar.__file__,
+                  "accepts": [_is_grammar_accept_string(grammar, t) for t in json.load(open(sys.argv[2]))]}))
+"""
+
+
+def _accepts(ebnf: str, tmp: Path, pythonpath: str | None) -> dict:
+    (tmp / "g.ebnf").write_text(ebnf)
+    (tmp / "texts.json").write_text(json.dumps(list(CALL_TEXTS)))
+    env = dict(os.environ, PYTHONPATH=pythonpath) if pythonpath else dict(os.environ)
+    run = subprocess.run([sys.executable, "-c", ACCEPTS, str(tmp / "g.ebnf"), str(tmp / "texts.json")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout)
+
+
+def test_sglangs_own_xgrammar_reads_a_required_calls_ebnf_as_the_reference_engine_does(upstream, tmp_path):
+    """A required or named tool_choice reaches SGLang replicas as `ebnf` (the grammar the reference engine
+    compiles, as text). SGLang's xgrammar backend compiles that text with compile_grammar; here the xgrammar
+    version the wheel pins (its own wheel, unpacked, never installed) reads the same text and accepts exactly
+    the calls the engine's xgrammar accepts, and what the format promises."""
+    assert "compile_grammar(key_string)" in ast.unparse(upstream.function(
+        "srt/constrained/xgrammar_backend.py", "dispatch_ebnf"))
+    pin = upstream.pinned("xgrammar")
+    found = sorted(upstream.wheel.parent.glob(f"xgrammar-{pin}-*.whl"))
+    assert found, f"no xgrammar-{pin} wheel beside the SGLang wheel: `make sglang-wheel` downloads it"
+    zipfile.ZipFile(found[0]).extractall(tmp_path / "site")
+    ebnf = tool_call_ebnf(CALL_FORMAT)
+    theirs, ours = _accepts(ebnf, tmp_path, str(tmp_path / "site")), _accepts(ebnf, tmp_path, None)
+    assert theirs["where"].startswith(str(tmp_path / "site")) and not ours["where"].startswith(str(tmp_path))
+    assert theirs["accepts"] == ours["accepts"] == list(CALL_TEXTS.values())
+
+
+def test_a_required_call_reaches_sglang_as_ebnf_and_a_grammar_sglang_cannot_compile_is_a_400(tmp_path):
+    registry = standin.make_registry(tmp_path / "registry")
+    host = standin.StandInHost()
+    cfg = SGLangConfig(model_path="/m", draft_model_path=str(registry.get("v1")), weight_version="v1", launch=True,
+                       health_poll_s=0.001, startup_timeout_s=5.0)
+    client = host.client()
+    backend = SGLangBackend(cfg, standin.WordTokenizer(), registry, "v1", client=client,
+                            process=launch_sglang(cfg, client=client, spawn=host.spawn), spawn=host.spawn)
+    req = DecodeRequest(request_id="r", prompt="w5 w6", max_tokens=4, response_format=json.dumps(CALL_FORMAT))
+    list(backend.stream(req, backend.prepare(req), capture=False))
+    sent = host.log[-1][2]["sampling_params"]
+    assert sent["ebnf"] == tool_call_ebnf(CALL_FORMAT) and "json_schema" not in sent
+    host.server.log.clear()
+    r = client.post("/generate", json={"input_ids": [1], "stream": False,
+                                       "sampling_params": {"max_new_tokens": 2, "ebnf": 'root ::= "a'}})
+    assert r.json()["meta_info"]["finish_reason"]["status_code"] == 400
+    with pytest.raises(RequestError):
+        finish_reason_of(r.json()["meta_info"])
+    r = client.post("/generate", json={"input_ids": [1], "sampling_params": {"ebnf": 'root ::= "a"',
+                                                                              "json_schema": "{}"}})
+    assert r.status_code == 400 and "Only one of" in r.json()["error"]
