@@ -20,16 +20,18 @@ from adaptive_eagle.trace import SPAN_KINDS
 log = logging.getLogger(__name__)
 
 
-def _template_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=False, tokenize=True)
+def _template_ids(tokenizer, messages: Sequence[dict], tools: Optional[list]) -> list[int]:
+    kw = {"tools": tools} if tools is not None else {}
+    out = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=False, tokenize=True, **kw)
     ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
     return [int(t) for t in ids]
 
 
 def message_spans(tokenizer, messages: Sequence[dict], kinds: Optional[Sequence[str]],
-                  prompt_ids: Sequence[int]) -> tuple[tuple[int, int, str], ...]:
-    """(start, end, kind) of each message of a chat prompt templated into `prompt_ids`; kinds: what each message
-    is (None: its role; a role outside SPAN_KINDS leaves its message unmarked). () when the template is not
+                  prompt_ids: Sequence[int], tools: Optional[list] = None) -> tuple[tuple[int, int, str], ...]:
+    """(start, end, kind) of each message of a chat prompt templated into `prompt_ids` (with `tools` passed to
+    the template, when it renders them); kinds: what each message is (None: its role; a role outside SPAN_KINDS
+    leaves its message unmarked). () when the template is not
     prefix-consistent for these messages or refuses one of their prefixes (spans are a record's metadata: they
     never fail a request)."""
     kinds = list(kinds) if kinds is not None else [str(m.get("role")) for m in messages]
@@ -37,7 +39,7 @@ def message_spans(tokenizer, messages: Sequence[dict], kinds: Optional[Sequence[
     spans, start = [], 0
     for k in range(1, len(messages) + 1):
         try:
-            ids = _template_ids(tokenizer, messages[:k])
+            ids = _template_ids(tokenizer, messages[:k], tools)
         except Exception:  # noqa: BLE001 - a template may refuse a partial conversation: no spans, never a failure
             log.debug("no spans: the chat template refused the first %d messages", k, exc_info=True)
             return ()

@@ -45,6 +45,7 @@ from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.versions import PLAIN, engine_version, version_label
 from policies.canary import Canary
 from policies.holdback import Holdback
+from serving import tools as T
 from serving.messages import DecodeRequest
 
 
@@ -177,12 +178,17 @@ class ReferenceBackend:
             raise RequestError("give exactly one of messages or prompt", field)
         try:
             if request.messages is not None:
-                ids = self.engine.encode([dict(m) for m in request.messages])
+                tok = self.engine.target.tokenizer
+                if tok is None:
+                    raise RequestError("this target has no tokenizer: pass token ids as the prompt", field)
+                ids = T.template_ids(tok, T.chat_prompt(tok, request.messages, request.tools))
+                if ids:
+                    ids = self.engine.encode(ids)
             elif isinstance(request.prompt, str):
                 ids = self._tokenize(request.prompt)
             else:
                 ids = self.engine.encode(list(request.prompt))
-        except GenerationError as e:
+        except (GenerationError, T.TemplateError) as e:
             raise RequestError(str(e), field) from None
         if not ids:  # a chat template can render nothing (empty messages): refused here, before a stream's 200
             raise RequestError("the prompt is empty once the chat template is applied: give non-empty content",
@@ -250,8 +256,8 @@ class ReferenceBackend:
         tok = self.engine.target.tokenizer
         if not captured or not request.messages or tok is None:
             return trace
-        return replace(trace, spans=message_spans(tok, request.messages, request.message_kinds, prompt_ids)
-                       + trace.spans)
+        chat = T.chat_prompt(tok, request.messages, request.tools)
+        return replace(trace, spans=message_spans(tok, chat.messages, chat.kinds, prompt_ids, chat.tools) + trace.spans)
 
     def _binding_for(self, request: DecodeRequest) -> Optional[HeadBinding]:
         """The frozen baseline's binding for the holdback arm's share of requests; the canary's for its share (or

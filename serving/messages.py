@@ -34,7 +34,9 @@ class DecodeRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     request_id: str = Field(..., min_length=1, description="unique id (also the trace's request_id)")
-    messages: Optional[tuple[dict[str, str], ...]] = Field(None, description="chat messages {role, content}")
+    messages: Optional[tuple[dict[str, str], ...]] = Field(None, description="chat messages {role, content}; an "
+                                                           "assistant's calls as tool_calls (JSON text), a tool "
+                                                           "message's tool_call_id (serving.tools.wire_messages)")
     prompt: Optional[Union[str, tuple[int, ...]]] = Field(None, description="raw text or token ids")
     temperature: float = Field(0.0, ge=0.0, description=f"0 = greedy (so is anything below {MIN_TEMPERATURE:g})")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description=f"nucleus mass (below {MIN_TOP_P:g}: the top token alone)")
@@ -48,18 +50,14 @@ class DecodeRequest(BaseModel):
     head: Optional[str] = Field(None, description="routing only: the head version the caller asked for")
     response_format: Optional[str] = Field(None, description="constrains the output: the OpenAI response_format "
                                            "as JSON text (json_object or json_schema); None: free text")
-    message_kinds: Optional[tuple[str, ...]] = Field(None, description="what each of `messages` is (trace.SPAN_KINDS:"
-                                                     " its role, 'tools', 'tool_output'); None: their roles")
+    tools: Optional[str] = Field(None, description="the tools the prompt offers, as JSON text {\"tools\": [...], "
+                                 "\"parallel\": bool} (serving.tools.wire_tools); rendered by the replica for its "
+                                 "target's template; None: none")
 
     @model_validator(mode="after")
-    def _kinds_match(self) -> "DecodeRequest":
-        if self.message_kinds is not None:
-            from adaptive_eagle.trace import SPAN_KINDS
-
-            if self.messages is None or len(self.message_kinds) != len(self.messages):
-                raise ValueError("message_kinds must name each of messages")
-            if any(k not in SPAN_KINDS for k in self.message_kinds):
-                raise ValueError(f"message_kinds must be of {', '.join(SPAN_KINDS)}")
+    def _tools_need_messages(self) -> "DecodeRequest":
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools are rendered into chat messages: give messages with them")
         return self
 
     @field_validator("temperature")

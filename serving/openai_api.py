@@ -245,10 +245,9 @@ def parse_chat(body: dict, limit: int, default_max_tokens: int) -> tuple[ChatBod
         if m.role == "tool" and not text:
             raise ApiError(400, "a tool message must carry the tool's result as content", f"messages.{i}.content",
                            "invalid_value")
-        msgs.append(("system" if m.role == "developer" else m.role, text, m.tool_calls))
-    rendered, kinds = T.render_with_kinds(msgs, b._tools)
-    return b, _decode_request(b, max_tokens, default_max_tokens, messages=rendered, response_format=fmt,
-                              message_kinds=kinds)
+        msgs.append(("system" if m.role == "developer" else m.role, text, m.tool_calls, m.tool_call_id))
+    return b, _decode_request(b, max_tokens, default_max_tokens, messages=T.wire_messages(msgs), response_format=fmt,
+                              tools=T.wire_tools(b._tools))
 
 
 def response_format(rf: Optional[dict]) -> Optional[str]:

@@ -46,6 +46,7 @@ from adaptive_eagle.binding import SwapResult
 from adaptive_eagle.spans import answer_span, message_spans
 from adaptive_eagle.trace import TraceRecord
 from adaptive_eagle.versions import PLAIN, engine_version
+from serving import tools as T
 from serving.backend import BackendItem, BackendResult, RequestError, TokenChunk, prompt_field
 from serving.messages import DecodeRequest
 from serving.sglang_protocol import (ENDPOINTS, SGLangAborted, SGLangError, SGLangProtocolError, StreamAssembler,
@@ -223,7 +224,8 @@ def trace_from_response(request: DecodeRequest, prompt_ids: list[int], output_id
     ids = list(prompt_ids) + list(output_ids)
     spans = ()
     if tokenizer is not None and request.messages and request.capture:
-        spans = message_spans(tokenizer, request.messages, request.message_kinds, prompt_ids)
+        chat = T.chat_prompt(tokenizer, request.messages, request.tools)
+        spans = message_spans(tokenizer, chat.messages, chat.kinds, prompt_ids, chat.tools)
     spans += answer_span(len(prompt_ids), len(ids), request.response_format is not None)
     return TraceRecord(request_id=request.request_id, target_fingerprint=fingerprint,
                        head_version=engine_version(head_version), backend="sglang",
@@ -275,9 +277,10 @@ class SGLangBackend:
     def prepare(self, request: DecodeRequest) -> list[int]:
         field = prompt_field(request)
         if request.messages is not None:
-            out = self.tokenizer.apply_chat_template([dict(m) for m in request.messages], add_generation_prompt=True,
-                                                     tokenize=True)
-            ids = list(out["input_ids"] if hasattr(out, "keys") else out)
+            try:
+                ids = T.template_ids(self.tokenizer, T.chat_prompt(self.tokenizer, request.messages, request.tools))
+            except T.TemplateError as e:
+                raise RequestError(str(e), field) from None
         elif isinstance(request.prompt, str):
             ids = list(self.tokenizer(request.prompt)["input_ids"])
         else:

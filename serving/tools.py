@@ -2,12 +2,16 @@
 parameters), `tool_choice`, `parallel_tool_calls`, assistant messages carrying `tool_calls`, `tool` messages
 answering them, and `message.tool_calls` / streamed tool-call deltas in the response.
 
-Owns: checking a request's tools and tool history (a 400 naming the field), rendering tools and tool turns into
-plain chat messages for the target's chat template, and parsing the model's text back into tool calls, whole
-or as a stream. Must not touch: HTTP, replicas, engines (the replica sees ordinary role/content messages).
+Owns: checking a request's tools and tool history (a 400 naming the field), carrying them to a replica
+(`wire_messages`, `wire_tools`), rendering them for the target's chat template there (`chat_prompt`,
+`template_ids`), and parsing the model's text back into tool calls, whole or as a stream. Must not touch: HTTP,
+routing, engines (replicas call `chat_prompt` with their target's tokenizer; the engine sees token ids).
 
-Template ("hermes", the format vLLM's and SGLang's `hermes` tool-call parsers read, used by Qwen2.5 and Hermes
-models; SmolLM2's ChatML template has no tool support of its own, so tools are rendered here for it):
+Format: "hermes", the one vLLM's and SGLang's `hermes` tool-call parsers read, used by Qwen2.5 and Hermes models.
+A target whose own chat template renders tools in this format (`speaks_hermes`, probed once per template) gets
+them rendered by that template: apply_chat_template(messages, tools=...), calls and tool results in the Hugging
+Face message form. Any other template (SmolLM2's ChatML has no tool support of its own) gets this documented
+rendering into plain role/content messages:
 - the tools go into the system message, one JSON object a line inside <tools></tools>, with the instruction
   to answer a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>;
 - an assistant turn's tool calls are rendered the same way after its text;
@@ -181,9 +185,149 @@ def check_history(messages: list) -> None:
 
 
 # ---- rendering ------------------------------------------------------------------------------------
-def system_block(spec: ToolSpec) -> str:
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in spec.tools)
-    once = "" if spec.parallel else " Call at most one function per turn."
+def wire_messages(messages: list[tuple[str, str, Any, Optional[str]]]) -> tuple[dict[str, str], ...]:
+    """Chat messages (role, text, tool_calls or None, tool_call_id or None) as a DecodeRequest carries them to a
+    replica: {role,
+    content}, an assistant's calls as "tool_calls" (JSON text of [{id, type, function: {name, arguments}}]),
+    and a tool message's "tool_call_id". The replica renders them for its target's template (`chat_prompt`)."""
+    out = []
+    for role, text, calls, call_id in messages:
+        m = {"role": role, "content": text}
+        if calls:
+            m["tool_calls"] = json.dumps([c.model_dump() for c in calls], ensure_ascii=False)
+        if call_id is not None:
+            m["tool_call_id"] = call_id
+        out.append(m)
+    return tuple(out)
+
+
+def wire_tools(spec: Optional[ToolSpec]) -> Optional[str]:
+    """The tools a replica renders into the prompt, as JSON text {"tools": [...], "parallel": bool}; None when
+    the request offers none (no tools, or tool_choice "none")."""
+    if spec is None or not spec.active:
+        return None
+    return json.dumps({"tools": list(spec.tools), "parallel": spec.parallel}, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a target's chat template takes for one request: its messages, the tools to pass as
+    apply_chat_template(tools=...) (None: none, or already rendered into the messages), and what each message is
+    (adaptive_eagle.trace.SPAN_KINDS: its role, "tools" for the one carrying the tool schemas, "tool_output")."""
+
+    messages: tuple[dict, ...]
+    tools: Optional[list[dict]]
+    kinds: tuple[str, ...]
+
+    @property
+    def native(self) -> bool:
+        return self.tools is not None
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "probe_lookup_7f3a", "description": "probe 7f3a tool",
+                                               "parameters": {"type": "object", "properties": {}}}}
+_SPEAKS: dict[int, bool] = {}
+
+
+def speaks_hermes(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders tools itself in the hermes format (Qwen2.5, Hermes and
+    their kin): given tools, an assistant call and a tool result, its text holds the tool's schema, the call in
+    <tool_call> tags and the result in <tool_response> tags. Decided once per template, by rendering a probe."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "tools" not in template:
+        return False
+    key = hash(template)
+    if key not in _SPEAKS:
+        probe = [{"role": "user", "content": "probe question"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"type": "function", "function": {"name": "probe_lookup_7f3a", "arguments": {}}}]},
+                 {"role": "tool", "content": "probe result 7f3a"}]
+        try:
+            text = tokenizer.apply_chat_template(probe, tools=[PROBE_TOOL], tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render tools does not speak them
+            text = ""
+        _SPEAKS[key] = (isinstance(text, str) and "probe 7f3a tool" in text and "<tool_response>" in text
+                        and re.search(r"<tool_call>\s*\{\s*\"name\": \"probe_lookup_7f3a\"", text) is not None)
+    return _SPEAKS[key]
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # what the client sent back, as text
+
+
+def chat_prompt(tokenizer, messages, tools: Optional[str]) -> ChatPrompt:
+    """A request's wire messages and tools (`wire_messages`, `wire_tools`) as its target's template takes them.
+    A template that speaks the hermes tool format (`speaks_hermes`) renders them itself: calls and tool
+    messages in the Hugging Face form, the tools passed as `tools=`. Any other template (SmolLM2's ChatML has no
+    tool support) gets plain role/content messages in the hermes format (the module docstring)."""
+    offered = json.loads(tools) if tools else None
+    if offered is not None and tokenizer is not None and speaks_hermes(tokenizer):
+        out, kinds = [], []
+        for m in messages:
+            native = {"role": m["role"], "content": m["content"]}
+            if m.get("tool_calls"):
+                native["tool_calls"] = [{"type": "function", "function": {
+                    "name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
+                    for c in json.loads(m["tool_calls"])]
+            if m.get("tool_call_id"):
+                native["tool_call_id"] = m["tool_call_id"]
+            out.append(native)
+            kinds.append("tool_output" if m["role"] == "tool" else m["role"])
+        kinds[0] = "tools"  # the template writes the tools into its first block
+        return ChatPrompt(tuple(out), list(offered["tools"]), tuple(kinds))
+    out, kinds = [], []
+    for m in messages:
+        role, text = m["role"], m["content"]
+        if role == "assistant" and m.get("tool_calls"):
+            calls = json.loads(m["tool_calls"])
+            parts = ([text] if text else []) + [render_call(c["function"]["name"], c["function"]["arguments"])
+                                                for c in calls]
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+            kinds.append("assistant")
+        elif role == "tool":
+            block = f"<tool_response>\n{text}\n</tool_response>"
+            if kinds and kinds[-1] == "tool_output":
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block})
+                kinds.append("tool_output")
+        else:
+            out.append({"role": role, "content": text})
+            kinds.append(role)
+    if offered is not None:
+        block = system_block(offered["tools"], offered["parallel"])
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+            kinds[0] = "tools"
+        else:
+            out.insert(0, {"role": "system", "content": block})
+            kinds.insert(0, "tools")
+    return ChatPrompt(tuple(out), None, tuple(kinds))
+
+
+class TemplateError(ValueError):
+    """The target's chat template refused a request's messages (a 400: the message says what it raised)."""
+
+
+def template_ids(tokenizer, prompt: ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
+    """The prompt's token ids under the tokenizer's chat template; TemplateError when the template refuses them."""
+    kw = {"tools": prompt.tools} if prompt.native else {}
+    try:
+        out = tokenizer.apply_chat_template([dict(m) for m in prompt.messages], tokenize=True,
+                                            add_generation_prompt=add_generation_prompt, **kw)
+    except Exception as e:  # noqa: BLE001 - a Jinja template raises what its author wrote (TemplateError and kin)
+        raise TemplateError(f"the target's chat template refused these messages: {type(e).__name__}: {e}") from None
+    ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+    return [int(t) for t in ids]
+
+
+def system_block(tools: list[dict], parallel: bool) -> str:
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    once = "" if parallel else " Call at most one function per turn."
     return ("# Tools\n\nYou may call one or more functions to assist with the user query." + once + "\n\n"
             "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + lines +
             "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
@@ -192,46 +336,7 @@ def system_block(spec: ToolSpec) -> str:
 
 
 def render_call(name: str, arguments: str) -> str:
-    try:
-        args: Any = json.loads(arguments)
-    except ValueError:
-        args = arguments  # what the client sent back, as text
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
-
-
-def render(messages: list[tuple[str, str, Any]], spec: Optional[ToolSpec]) -> tuple[dict[str, str], ...]:
-    """Chat messages (role, text, tool_calls or None) as role/content messages any ChatML-style template takes,
-    tools and tool turns written in the hermes format."""
-    return render_with_kinds(messages, spec)[0]
-
-
-def render_with_kinds(messages: list[tuple[str, str, Any]],
-                      spec: Optional[ToolSpec]) -> tuple[tuple[dict[str, str], ...], tuple[str, ...]]:
-    """`render`, and what each rendered message is (adaptive_eagle.trace.SPAN_KINDS): its role, "tools" for the
-    system message that carries the tool schemas, "tool_output" for tool results."""
-    out: list[dict[str, str]] = []
-    for role, text, calls in messages:
-        if role == "assistant" and calls:
-            parts = ([text] if text else []) + [render_call(c.function.name, c.function.arguments) for c in calls]
-            out.append({"role": "assistant", "content": "\n".join(parts)})
-        elif role == "tool":
-            block = f"<tool_response>\n{text}\n</tool_response>"
-            if out and out[-1].get("_tool"):
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "_tool": "1"})
-        else:
-            out.append({"role": role, "content": text})
-    kinds = ["tool_output" if m.get("_tool") else m["role"] for m in out]
-    out = [{"role": m["role"], "content": m["content"]} for m in out]
-    if spec is not None and spec.active:
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system_block(spec)}
-            kinds[0] = "tools"
-        else:
-            out.insert(0, {"role": "system", "content": system_block(spec)})
-            kinds.insert(0, "tools")
-    return tuple(out), tuple(kinds)
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': _arguments(arguments)}, ensure_ascii=False)}\n{CLOSE}"
 
 
 # ---- parsing ----------------------------------------------------------------------------------------
@@ -350,4 +455,5 @@ def parse(text: str, spec: ToolSpec) -> tuple[Optional[str], list[dict]]:
 
 
 __all__ = ["CallStream", "MAX_TOOLS", "MAX_TOOLS_BYTES", "NamedChoice", "ToolCall", "ToolChoice", "ToolDef",
-           "ToolError", "ToolSpec", "call_format", "check_history", "check_tools", "parse", "render", "render_with_kinds"]
+           "ChatPrompt", "TemplateError", "ToolError", "ToolSpec", "call_format", "chat_prompt", "check_history", "check_tools", "parse",
+           "speaks_hermes", "template_ids", "wire_messages", "wire_tools"]

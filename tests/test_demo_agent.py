@@ -13,6 +13,7 @@ from adaptive_eagle_cli.demo.report import summary, tool_calls
 from adaptive_eagle_cli.demo.run import failed_checks
 from adaptive_eagle_cli.demo.traffic import Prompt, RequestResult, first_turn, next_turn
 from serving.openai_api import parse_chat
+from serving.tools import chat_prompt
 
 
 def test_the_calculator_does_arithmetic_and_nothing_else():
@@ -83,8 +84,9 @@ def test_an_agent_task_is_a_required_call_then_the_tools_result_sent_back_under_
     assert second.messages[-2]["tool_calls"][0]["id"] == "call_abc"
     assert second.messages[-1] == {"role": "tool", "tool_call_id": "call_abc", "content": "42"}
     _, request = parse_chat(second.chat_body("m", 32), 256, 32)  # the gateway takes the history
-    assert "<tool_response>\n42\n</tool_response>" in request.messages[-1]["content"]
-    assert "# Tools" in request.messages[0]["content"] and request.response_format is None
+    chat = chat_prompt(None, request.messages, request.tools)  # as a replica renders it for SmolLM2's template
+    assert "<tool_response>\n42\n</tool_response>" in chat.messages[-1]["content"]
+    assert "# Tools" in chat.messages[0]["content"] and request.response_format is None
     _, request = parse_chat(first.chat_body("m", 32), 256, 32)
     fmt = json.loads(request.response_format)
     assert fmt["type"] == "tool_call" and fmt["max_calls"] == 1 and request.max_tokens == agent.CALL_TOKENS
@@ -106,7 +108,7 @@ def test_a_tool_turn_is_decoded_again_as_the_gateway_decodes_it_and_compared_in_
 
     _, text = decode_again(SimpleNamespace(generate=generate), served, 32, "plain")
     assert text == served.text and not seen[0].capture and seen[0].request_id == "plain-r0"
-    assert json.loads(seen[0].response_format)["type"] == "tool_call" and "# Tools" in seen[0].messages[0]["content"]
+    assert json.loads(seen[0].response_format)["type"] == "tool_call" and json.loads(seen[0].tools)["tools"]
 
 
 def test_the_report_counts_valid_calls_per_tool_choice_and_an_invalid_required_call_fails_the_demo():

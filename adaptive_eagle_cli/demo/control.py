@@ -57,7 +57,7 @@ def decode_server(target, head, engine_params: dict, max_prompt_tokens: int = MA
 
 def decode_again(server, result: RequestResult, max_tokens: int, tag: str):
     """`result`'s request decoded by `server`: (serving.messages.Finished or Refused, the answer's text as
-    `result.text` holds it). A request with tools is read by the gateway's own parser (its tools rendered, a
+    `result.text` holds it). A request with tools is read by the gateway's own parser (its tools carried, a
     required call's grammar) and its answer put in agent.canonical form."""
     from serving.messages import DecodeRequest
 

@@ -20,7 +20,7 @@ from serving.openai_api import ApiError, parse_chat
 from serving.router import LocalReplica
 from serving.server import DecodeServer
 from serving.tools import (MAX_TOOLS, PARALLEL_CALLS, CallStream, NamedChoice, ToolDef, ToolSpec, call_format,
-                           check_tools, parse)
+                           chat_prompt, check_tools, parse)
 from tests.serving.test_gateway import KEY, MODEL, config
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
@@ -111,19 +111,24 @@ def test_tools_and_tool_turns_render_as_chat_messages_any_template_takes():
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18C"},
         {"role": "tool", "tool_call_id": "c2", "content": "3C"}]}, 64, 16)
-    roles = [m["role"] for m in req.messages]
-    assert roles == ["system", "user", "assistant", "user"]  # the two tool results are one user turn
-    system = req.messages[0]["content"]
+    assert req.messages[3] == {"role": "tool", "content": "18C", "tool_call_id": "c1"}  # carried as sent
+    chat = chat_prompt(None, req.messages, req.tools)  # no template of its own: the hermes rendering
+    roles = [m["role"] for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "user"] and chat.tools is None  # two results: one user turn
+    assert chat.kinds == ("tools", "user", "assistant", "tool_output")
+    system = chat.messages[0]["content"]
     assert system.startswith("Be brief.\n\n# Tools") and json.dumps(WEATHER) in system and "<tool_call>" in system
-    assert req.messages[2]["content"] == (call_text("get_weather", {"city": "Paris"}) + "\n" +
-                                          call_text("get_weather", {"city": "Oslo"}))
-    assert req.messages[3]["content"] == "<tool_response>\n18C\n</tool_response>\n<tool_response>\n3C\n</tool_response>"
+    assert chat.messages[2]["content"] == (call_text("get_weather", {"city": "Paris"}) + "\n" +
+                                           call_text("get_weather", {"city": "Oslo"}))
+    assert chat.messages[3]["content"] == ("<tool_response>\n18C\n</tool_response>\n<tool_response>\n3C\n"
+                                           "</tool_response>")
     assert b.tool_spec.names == {"get_weather", "calc"}
 
 
 def test_tool_choice_none_offers_no_tools_and_parses_no_calls():
     b, req = parse_chat(body(tools=[WEATHER], tool_choice="none"), 64, 16)
-    assert not b.tool_spec.active and all("# Tools" not in m["content"] for m in req.messages)
+    assert not b.tool_spec.active and req.tools is None
+    assert all("# Tools" not in m["content"] for m in chat_prompt(None, req.messages, req.tools).messages)
     b, req = parse_chat(body(), 64, 16)
     assert b.tool_spec is None and req.messages == ({"role": "user", "content": "w5"},)
 
@@ -249,7 +254,7 @@ def test_the_openai_client_gets_tool_calls_whole_and_streamed(scripted):
     assert choice.finish_reason == "tool_calls" and choice.message.content == "I will look."
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
     assert calls == [("get_weather", {"city": "Paris"}), ("calc", {"expr": "6*7"})]
-    assert "# Tools" in replica.requests[-1].messages[0]["content"]  # the tools reached the template
+    assert json.loads(replica.requests[-1].tools)["tools"] == [WEATHER, CALC]  # the tools reached the replica
 
     chunks = list(client.chat.completions.create(**args, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -268,7 +273,8 @@ def test_the_openai_client_gets_tool_calls_whole_and_streamed(scripted):
     history = args["messages"] + [choice.message.model_dump(exclude_none=True)] + [
         {"role": "tool", "tool_call_id": c.id, "content": "42"} for c in choice.message.tool_calls]
     client.chat.completions.create(**{**args, "messages": history})
-    assert replica.requests[-1].messages[-1]["content"].count("<tool_response>") == 2
+    sent = replica.requests[-1]
+    assert chat_prompt(None, sent.messages, sent.tools).messages[-1]["content"].count("<tool_response>") == 2
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**{**args, "messages": history[:1] + history[2:]})
     assert err.value.body["param"] == "messages.1.tool_call_id"
@@ -308,7 +314,6 @@ def test_a_captured_tool_turn_records_which_tokens_are_schemas_tool_output_and_m
                    {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": "{\"expr\": \"w7\"}"}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "w8 w9"}]
     _, request = parse_chat(body(messages=history, tools=[CALC], max_tokens=4, temperature=0), 64, 16)
-    assert request.message_kinds == ("tools", "user", "assistant", "tool_output")
     backend = stack.backend("v1", max_prompt_tokens=480)
     trace = generate(backend, request, capture=True).trace
     prompt = len(trace.input_ids) - sum(trace.loss_mask)
@@ -320,8 +325,8 @@ def test_a_captured_tool_turn_records_which_tokens_are_schemas_tool_output_and_m
     assert answer_span(5, 9, True) == ((5, 9, "constrained"),) and answer_span(5, 5, False) == ()
     from serving.messages import DecodeRequest
 
-    with pytest.raises(ValueError, match="message_kinds must name each of messages"):
-        DecodeRequest(**{**request.model_dump(), "message_kinds": ("user",)})
+    with pytest.raises(ValueError, match="give messages with them"):
+        DecodeRequest(request_id="r", prompt="w5", tools=request.tools)
 
 
 def test_an_sglang_trace_marks_a_constrained_answer():
@@ -345,3 +350,102 @@ def test_a_template_that_refuses_a_prefix_gives_no_spans_and_never_fails():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     assert message_spans(Strict(), msgs, None, list(range(6))) == ()
     assert message_spans(Strict(), msgs[1:], None, [0, 1, 2, 9]) == ((0, 3, "user"),)
+
+
+# ---- a target whose own template renders tools ----------------------------------------------------------
+# test code: a chat template in the hermes format (the tools' JSON in <tools>, calls in <tool_call> tags, results
+# in <tool_response> tags), as Qwen2.5's and Hermes' templates write it, for the word-level tokenizer
+HERMES_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> {% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls is defined and m.tool_calls -%}"
+    "{{ m.content }}{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}</tool_call> {% endfor %}"
+    "{%- elif m.role == 'tool' -%}<tool_response> {{ m.content }} </tool_response> "
+    "{%- else -%}{{ m.content }} {% endif -%}"
+    "{%- endfor -%}")
+# another family's format (calls as [CALLS] JSON): it takes tools, but not in the format the parser reads
+OTHER_TEMPLATE = ("{%- if tools %}[TOOLS]{{ tools | tojson }}[/TOOLS] {% endif -%}{%- for m in messages -%}"
+                  "{%- if m.tool_calls is defined and m.tool_calls %}[CALLS]{{ m.tool_calls | tojson }} "
+                  "{%- else %}{{ m.content }} {% endif -%}{%- endfor -%}")
+HISTORY = [{"role": "user", "content": "w5 w6"},
+           {"role": "assistant", "content": "w7", "tool_calls": [
+               {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": "{\"expr\": \"w7\"}"}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "w8 w9"}]
+
+
+def _tokenizer(template):
+    from tests.serving.conftest import word_tokenizer
+
+    tok = word_tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+def test_only_a_template_that_writes_the_hermes_format_renders_tools_itself():
+    from serving.tools import speaks_hermes
+
+    assert speaks_hermes(_tokenizer(HERMES_TEMPLATE))
+    assert not speaks_hermes(_tokenizer(OTHER_TEMPLATE))  # takes tools, writes another format
+    from tests.serving.conftest import word_tokenizer
+    assert not speaks_hermes(word_tokenizer())  # no tools at all: the documented hermes rendering
+    _, req = parse_chat(body(messages=HISTORY, tools=[CALC], max_tokens=4), 64, 16)
+    assert chat_prompt(_tokenizer(OTHER_TEMPLATE), req.messages, req.tools) == chat_prompt(None, req.messages, req.tools)
+
+
+def test_a_template_that_speaks_hermes_gets_the_tools_and_the_history_in_the_hugging_face_form():
+    from serving.tools import template_ids
+
+    tok = _tokenizer(HERMES_TEMPLATE)
+    _, req = parse_chat(body(messages=HISTORY, tools=[WEATHER, CALC], max_tokens=4), 64, 16)
+    chat = chat_prompt(tok, req.messages, req.tools)
+    assert chat.native and chat.tools == [WEATHER, CALC] and chat.kinds == ("tools", "assistant", "tool_output")
+    by_hand = [{"role": "user", "content": "w5 w6"},
+               {"role": "assistant", "content": "w7", "tool_calls": [
+                   {"type": "function", "function": {"name": "calc", "arguments": {"expr": "w7"}}}]},
+               {"role": "tool", "content": "w8 w9", "tool_call_id": "call_1"}]
+    assert template_ids(tok, chat) == tok.apply_chat_template(by_hand, tools=[WEATHER, CALC], tokenize=True,
+                                                              add_generation_prompt=True)["input_ids"]
+    text = tok.apply_chat_template(list(chat.messages), tools=chat.tools, tokenize=False)
+    assert "<tool_call>{\"name\": \"calc\", \"arguments\": {\"expr\": \"w7\"}}</tool_call>" in text
+    assert text.startswith("<tools>") and "<tool_response> w8 w9 </tool_response>" in text
+    _, plain = parse_chat(body(messages=HISTORY[:1], max_tokens=4), 64, 16)  # no tools: nothing native
+    assert not chat_prompt(tok, plain.messages, plain.tools).native
+
+
+def test_a_replica_whose_target_renders_tools_itself_decodes_and_captures_that_prompt(stack):
+    from dataclasses import replace
+
+    from adaptive_eagle.engine import SpeculativeEngine
+    from serving.backend import ReferenceBackend, generate
+    from serving.tools import template_ids
+    from tests.serving.conftest import ENGINE
+
+    tok = _tokenizer(HERMES_TEMPLATE)
+    target = replace(stack.target, tokenizer=tok)
+    backend = ReferenceBackend(SpeculativeEngine(target, stack.registry.load("v1", target), ENGINE, head_version="v1"),
+                               stack.registry, 480)
+    _, req = parse_chat(body(messages=HISTORY, tools=[CALC], max_tokens=4, temperature=0), 64, 16)
+    trace = generate(backend, req, capture=True).trace
+    prompt = len(trace.input_ids) - sum(trace.loss_mask)
+    assert list(trace.input_ids[:prompt]) == template_ids(tok, chat_prompt(tok, req.messages, req.tools))
+    assert [k for _, _, k in trace.spans] == ["tools", "assistant", "tool_output", "model"]
+    assert trace.spans[0][0] == 0 and trace.spans[2][1] <= prompt
+    assert all(a[1] == b[0] for a, b in zip(trace.spans[:2], trace.spans[1:3]))  # the messages tile the prompt
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_naming_them(stack):
+    from dataclasses import replace
+
+    from adaptive_eagle.engine import SpeculativeEngine
+    from serving.backend import ReferenceBackend, RequestError
+    from tests.serving.conftest import ENGINE
+
+    tok = _tokenizer(HERMES_TEMPLATE.replace("{%- else -%}", "{%- else -%}{% if 'w6' in m.content %}"
+                                             "{{ raise_exception('no w6 here') }}{% endif %}"))
+    target = replace(stack.target, tokenizer=tok)
+    backend = ReferenceBackend(SpeculativeEngine(target, None, ENGINE), stack.registry, 480)
+    _, req = parse_chat(body(messages=HISTORY, tools=[CALC], max_tokens=4), 64, 16)
+    with pytest.raises(RequestError) as err:
+        backend.prepare(req)
+    assert err.value.param == "messages" and "no w6 here" in str(err.value)
