@@ -454,6 +454,6 @@ def parse(text: str, spec: ToolSpec) -> tuple[Optional[str], list[dict]]:
     return (content or None) if calls else content, calls
 
 
-__all__ = ["CallStream", "MAX_TOOLS", "MAX_TOOLS_BYTES", "NamedChoice", "ToolCall", "ToolChoice", "ToolDef",
-           "ChatPrompt", "TemplateError", "ToolError", "ToolSpec", "call_format", "chat_prompt", "check_history", "check_tools", "parse",
-           "speaks_hermes", "template_ids", "wire_messages", "wire_tools"]
+__all__ = ["CallStream", "ChatPrompt", "MAX_TOOLS", "MAX_TOOLS_BYTES", "NamedChoice", "TemplateError", "ToolCall",
+           "ToolChoice", "ToolDef", "ToolError", "ToolSpec", "call_format", "chat_prompt", "check_history",
+           "check_tools", "parse", "speaks_hermes", "template_ids", "wire_messages", "wire_tools"]

@@ -55,7 +55,8 @@ def bodies() -> dict[str, list[dict]]:
                         response_format='{"type": "json_object"}')
     call = DecodeRequest(request_id="c", prompt=(1, 2), response_format=json.dumps(CALL_FORMAT))
     tensors = {"fc.weight": torch.zeros(2, 2), "d2t": torch.zeros(2, dtype=torch.int64)}
-    return {"generate": [generate_body(req, [1, 2]), generate_body(call, [1, 2]), warmup_body([1], "w")], "begin_update": [begin_update_body()],
+    return {"generate": [generate_body(req, [1, 2]), generate_body(call, [1, 2]), warmup_body([1], "w")],
+            "begin_update": [begin_update_body()],
             "tensor_update": tensor_update_bodies(tensors, "v2", tp_size=2, max_bytes=8),
             "end_update": [end_update_body()], "checksum": [checksum_body(DRAFT), checksum_body(TARGET)]}
 

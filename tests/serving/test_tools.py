@@ -390,7 +390,8 @@ def test_only_a_template_that_writes_the_hermes_format_renders_tools_itself():
     from tests.serving.conftest import word_tokenizer
     assert not speaks_hermes(word_tokenizer())  # no tools at all: the documented hermes rendering
     _, req = parse_chat(body(messages=HISTORY, tools=[CALC], max_tokens=4), 64, 16)
-    assert chat_prompt(_tokenizer(OTHER_TEMPLATE), req.messages, req.tools) == chat_prompt(None, req.messages, req.tools)
+    other = chat_prompt(_tokenizer(OTHER_TEMPLATE), req.messages, req.tools)
+    assert other == chat_prompt(None, req.messages, req.tools)
 
 
 def test_a_template_that_speaks_hermes_gets_the_tools_and_the_history_in_the_hugging_face_form():
