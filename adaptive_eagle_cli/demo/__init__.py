@@ -35,10 +35,16 @@ def demo(
     minutes: Optional[float] = typer.Option(None, help="wall-clock budget, start-up and report included "
                                             "(default 15; --quick 3.5)"),
     out: Path = typer.Option(Path("demo-report"), help="report directory (report.md, summary.json, plot, log)"),
-    scenario: str = typer.Option("english,code", help="domains the traffic drifts through, in order "
-                                 "(english, code, math, agent, sessions, tools, tools2), or `long` (= english,sessions:"
-                                 " short chat drifting to long multi-turn agent sessions), or `agent` (= tools,tools2: "
-                                 "an agent loop calling tools whose tool set changes halfway)"),
+    scenario: str = typer.Option("english,code", help="domains the traffic drifts through, in order, 1 to 12 "
+                                 "phases, a domain may come back (english, code, math, agent, sessions, tools, "
+                                 "tools2), or `long` (= english,sessions: short chat drifting to long multi-turn agent "
+                                 "sessions), or `agent` (= tools,tools2: an agent loop calling tools whose tool set "
+                                 "changes halfway)"),
+    first_phase_share: Optional[float] = typer.Option(None, help="share of the traffic time of the first phase, in "
+                                                     "(0, 1) (default 0.2; the agent scenario 0.5); the other phases "
+                                                     "split the rest evenly"),
+    head: str = typer.Option("dense", help="the head kind the trainer adapts: dense, or moe (it grows an expert for "
+                             "a domain whose acceptance stays low)"),
     prompts: Optional[Path] = typer.Option(None, help="your own prompts instead of ShareGPT: JSONL of "
                                            "{\"prompt\": ...} or {\"messages\": [...]}, optional \"domain\""),
     clients: int = typer.Option(2, help="concurrent openai clients"),
@@ -69,7 +75,7 @@ def demo(
     from adaptive_eagle_cli.demo.run import run_demo
 
     given = {"minutes": minutes, "max_tokens": max_tokens, "think_s": think, "control_every": control_every,
-             "greedy_checks": greedy_checks}
+             "greedy_checks": greedy_checks, "first_phase_share": first_phase_share}
     defaults = QUICK if quick else {}
     fields = {k: v if v is not None else defaults.get(k) for k, v in given.items()}
     if quick:
@@ -77,7 +83,8 @@ def demo(
     try:
         cfg = DemoConfig.make(**fields, out=str(out), scenario=scenario, prompts=str(prompts) if prompts else None,
                               clients=clients, quick=quick, port=port, state_dir=str(state_dir) if state_dir else None,
-                              keep_state=keep_state, seed=seed, evidence=evidence, holdback=holdback)
+                              keep_state=keep_state, seed=seed, evidence=evidence, holdback=holdback,
+                              head=head)
     except DemoConfigError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         raise typer.Exit(2) from None

@@ -258,19 +258,23 @@ def plot(path: Path, results: Sequence[RequestResult], counts: dict, phases: Seq
     fig, ax = plt.subplots(figsize=(11, 5.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     domains = list(dict.fromkeys(p.domain for p in phases))
-    for k, domain in enumerate(domains):
+    labelled = set()
+    for i, phase in enumerate(phases):  # one segment a phase (a returning domain is not joined across the gap)
         pts = sorted((r.finished_s / 60, StepCounts.accept_length(counts[r.request_id].served),
                       StepCounts.accept_length(counts[r.request_id].frozen))
-                     for r in results if r.ok and r.domain == domain and r.request_id in counts)
+                     for r in results if r.ok and r.phase == i and r.domain == phase.domain and r.request_id in counts)
         pts = [p for p in pts if p[1] is not None and p[2] is not None]
         if not pts:
             continue
-        c = colors[k % len(colors)]
+        domain = phase.domain
+        c = colors[domains.index(domain) % len(colors)]
+        first = domain not in labelled
+        labelled.add(domain)
         x = [p[0] for p in pts]
         ax.scatter(x, [p[1] for p in pts], s=10, color=c, alpha=0.3)
-        ax.plot(x, _rolling([p[1] for p in pts]), color=c, lw=2, label=f"{domain}: adapted (served)")
+        ax.plot(x, _rolling([p[1] for p in pts]), color=c, lw=2, label=f"{domain}: adapted (served)" if first else None)
         ax.plot(x, _rolling([p[2] for p in pts]), color=c, lw=1.5, ls="--",
-                label=f"{domain}: frozen head (replay, same requests)")
+                label=f"{domain}: frozen head (replay, same requests)" if first else None)
     for p in phases[1:]:
         ax.axvline(p.start_s / 60, color="k", lw=0.8, ls="-.")
     for p in phases:
@@ -326,6 +330,7 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
                      f"{_fmt(r.accept_length_frozen)} | {_fmt(r.gain_pct, 2)} | {_fmt(r.tpot_ms_adapted, 1)} | "
                      f"{_fmt(r.tpot_ms_frozen, 1)} ({r.holdback_requests}) | {_fmt(r.tpot_gain, 3)} "
                      f"{_interval(r.tpot_gain_interval)} |")
+    lines += _phase_lines(s.get("phase_figures") or [])
     lines += ["", f"![accept length over time]({PLOT})", "", "## Gate decisions (promotions.jsonl)", ""]
     lines += [f"- `{e.time[11:19]}` **{e.event}** {e.candidate or ''}: {e.reason}" for e in events] or ["- none"]
     lines += ["", "## How the figures are measured", "",
@@ -357,6 +362,29 @@ def markdown(s: dict, rows: Sequence[Row], events: Sequence, info: dict) -> str:
     if s["failures"]:
         lines += ["", "## Failed requests", ""] + [f"- {f}" for f in s["failures"]]
     return "\n".join(lines) + "\n"
+
+
+def _phase_lines(figs: Sequence[dict]) -> list[str]:
+    """The per-phase table (adaptive_eagle_cli/demo/phases.py), for runs through more than one drift."""
+    if len(figs) < 3:
+        return []
+    out = ["", "## Phases", "", "Every phase on its own requests: served heads vs the frozen shipped head (accept "
+           "length, same requests; TPOT, holdback arm), time from the phase's start to the first promotion that "
+           "helped it, and on a returning domain the share of its best gain lost by its return (forgetting; "
+           "adaptive_eagle_cli/demo/phases.py). 90% intervals over requests.", "",
+           "| phase | domain | returning | requests | accept served | frozen | gain % [90%] | TPOT gain [90%] | "
+           "promotions | to promotion s | forgetting % [90%] |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in figs:
+        out.append(f"| {f['phase']} | {f['domain']} | {'yes' if f['returning'] else 'no'} | {f['requests']} | "
+                   f"{_fmt(f['accept_length_served'])} | {_fmt(f['accept_length_frozen'])} | {_fmt(f['gain_pct'], 2)} "
+                   f"{_pct_interval(f['gain_pct_interval'])} | {_fmt(f['tpot_gain'], 3)} "
+                   f"{_interval(f['tpot_gain_interval'])} | {f['promotions']} | {_fmt(f['time_to_promotion_s'], 0)} | "
+                   f"{_fmt(f['forgetting_pct'], 2)} {_pct_interval(f['forgetting_pct_interval'])} |")
+    return out
+
+
+def _pct_interval(iv) -> str:
+    return f"[{iv[0]:.1f}, {iv[1]:.1f}]" if iv else ""
 
 
 def _interval(iv) -> str:

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from adaptive_eagle_cli.demo import control, report
 from adaptive_eagle_cli.demo.agent import TOOL_DOMAINS
 from adaptive_eagle_cli.demo.config import ENGINE, MODEL_NAME, DemoConfig, demo_stack_config, phase_plan
+from adaptive_eagle_cli.demo.phases import phase_figures
 from adaptive_eagle_cli.demo.traffic import PromptCycle, Traffic, jsonl_pools, search_passages, sharegpt_pools
 from adaptive_eagle_cli.demo.view import LiveStats, LiveView, LogTail
 
@@ -34,7 +35,7 @@ class DemoOutcome:
 def prompt_pools(cfg: DemoConfig, per_domain: int) -> dict:
     if cfg.prompts is not None:
         return jsonl_pools(cfg.prompts, cfg.seed)
-    return sharegpt_pools(cfg.scenario, per_domain, cfg.max_prompt_chars, cfg.seed)
+    return sharegpt_pools(tuple(dict.fromkeys(cfg.scenario)), per_domain, cfg.max_prompt_chars, cfg.seed)
 
 
 def pool_size(cfg: DemoConfig) -> int:
@@ -229,7 +230,9 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
     extra = {"frozen_head": run.frozen, "replayed_requests": len(replays), "prompts_reused": run.prompts_reused,
              "replay_check": report.replay_check(run.results, replays, run.frozen), "trainer": run.trainer_status,
              "trainer_events": run.trainer_events[-40:], "control_errors": run.control_errors,
-             "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1)}
+             "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1),
+             "phase_figures": phase_figures(run.results, run.phases, replays, [
+                 (report.event_seconds(e, run.t0), e.candidate) for e in tail.events if e.event == "promoted"])}
     s = report.summary(rows, run.results, tail.events, checks, run.control,
                        {**report.time_to_adapt(
                            run.phases, run.t0, run.candidate_times, tail.events, rows,
