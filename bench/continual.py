@@ -67,6 +67,10 @@ def goals(phases: list[dict]) -> dict:
 
     drifted = [p for p in phases if p["drifted"] and p["heldout"]]
     returning = [p for p in phases if p["returning"] and p["heldout"]]
+    if phases and not any(p["promotions"] for p in phases):  # the frozen head served throughout: nothing to judge
+        return {"drifted_gain_at_least_10pct": False if drifted else None, "returning_forgets_at_most_1pct": None,
+                "returns_readapt_2x_faster": None, "why": "no promotion in the run: the shipped head served every "
+                                                          "phase (no gain, and nothing learnt to forget)"}
     return {
         "drifted_gain_at_least_10pct": verdict([None if p["gain_pct"] is None else p["gain_pct"] >= GAIN_GOAL_PCT
                                                for p in drifted]),

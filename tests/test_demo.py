@@ -103,8 +103,8 @@ def test_a_session_is_sent_turn_by_turn_with_the_models_own_answers():
 def test_prompts_are_not_reused_within_a_run_and_a_reuse_is_counted():
     """A prompt sent twice could be scored by test-then-train evidence after the trainer learnt its answer: the
     pools hold more than a run can send (every client one request a second), and any reuse is counted."""
-    for minutes, clients in ((15, 2), (60, 2), (60, 8)):
-        cfg = DemoConfig.make(minutes=minutes, clients=clients)
+    for minutes, clients, quick in ((15, 2, False), (60, 2, False), (60, 8, False), (12, 2, True)):
+        cfg = DemoConfig.make(minutes=minutes, clients=clients, quick=quick, think_s=0.5 if quick else None)
         assert pool_size(cfg) >= minutes * 60 * clients / (1 + cfg.think_s)
     cycle = PromptCycle({"code": [Prompt((), "code"), Prompt((), "code")]})
     [cycle.take("code") for _ in range(2)]

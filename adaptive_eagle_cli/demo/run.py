@@ -41,8 +41,9 @@ def prompt_pools(cfg: DemoConfig, per_domain: int) -> dict:
 def pool_size(cfg: DemoConfig) -> int:
     """Prompts per domain: more than a domain's phase can send, so that no prompt is sent twice (a reused prompt
     could be scored by test-then-train evidence after the trainer learnt its answer). A 2-core machine serves
-    about 15 requests a minute; the bound assumes every client sends one a second for the whole run."""
-    return max(400, int(cfg.minutes * 60 * cfg.clients / (1.0 + cfg.think_s)))
+    about 15 requests a minute; the bound assumes every client sends one a second for the whole run. --quick
+    reads fewer (a 3.5-minute smoke run sends a few dozen), but never fewer than its own minutes can send."""
+    return max(40 if cfg.quick else 400, int(cfg.minutes * 60 * cfg.clients / (1.0 + cfg.think_s)))
 
 
 def scenario_of(cfg: DemoConfig, pools: dict) -> tuple[str, ...]:
@@ -66,7 +67,7 @@ def run_demo(cfg: DemoConfig, echo: Callable[[str], None] = print, tty: Optional
     out.mkdir(parents=True, exist_ok=True)
     state = Path(cfg.state_dir).expanduser() if cfg.state_dir else Path(tempfile.mkdtemp(prefix="adaptive-eagle-demo-"))
     echo("loading prompts ...")
-    pools = prompt_pools(cfg, 40 if cfg.quick else pool_size(cfg))
+    pools = prompt_pools(cfg, pool_size(cfg))
     scenario = scenario_of(cfg, pools)
     stack_cfg = demo_stack_config(cfg, str(state))
     stack = LocalStack(stack_cfg, echo=echo)

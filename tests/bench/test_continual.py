@@ -4,9 +4,9 @@
 from bench.continual import goals, readapt
 
 
-def _phase(domain, drifted, returning, gain=None, forget=None, to_promo=None):
+def _phase(domain, drifted, returning, gain=None, forget=None, to_promo=None, promotions=1):
     return {"domain": domain, "drifted": drifted, "returning": returning, "gain_pct": gain, "forgetting_pct": forget,
-            "time_to_promotion_s": to_promo}
+            "time_to_promotion_s": to_promo, "promotions": promotions}
 
 
 def test_a_return_is_as_fast_as_its_promotion_against_the_domains_first_one():
@@ -23,3 +23,11 @@ def test_a_drifted_phase_below_the_goal_fails_it_and_a_missing_figure_is_no_verd
     assert goals(readapt([_phase("english", False, False), _phase("code", True, False)]))[
         "drifted_gain_at_least_10pct"] is None
     assert goals([])["returning_forgets_at_most_1pct"] is None
+
+
+def test_a_run_without_a_promotion_gains_nothing_and_cannot_be_said_to_remember():
+    phases = readapt([_phase("english", False, False, 0.0, promotions=0), _phase("code", True, False, 0.0, promotions=0),
+                      _phase("english", True, True, 0.0, 0.0, promotions=0)])
+    g = goals(phases)
+    assert g["drifted_gain_at_least_10pct"] is False and g["returning_forgets_at_most_1pct"] is None
+    assert "no promotion" in g["why"]
