@@ -175,12 +175,14 @@ def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests()
 @pytest.mark.slow
 @pytest.mark.timeout(960)
 def test_a_quick_demo_runs_the_loop_end_to_end(tmp_path):
-    """The real target, --quick (a 3.5-minute budget, start-up and report included). Not a TTY, so the view
+    """The real target, --quick (a 3.5-minute budget, start-up and report included), English, code, English
+    again. Not a TTY, so the view
     prints plain lines. How long it took is not a verdict (a loaded machine starts slower); the timeout
     only stops a hung run."""
     out = tmp_path / "report"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "adaptive_eagle_cli", "demo", "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "adaptive_eagle_cli", "demo", "--quick", "--out", str(out),
+                           "--scenario", "english,code,english"],  # a drift and a return
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     output = proc.stdout[-4000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, output
@@ -195,6 +197,9 @@ def test_a_quick_demo_runs_the_loop_end_to_end(tmp_path):
     assert (out / "accept_length.png").stat().st_size > 10_000 and "| after adaptation | code |" in \
         (out / "report.md").read_text()
     assert "accept length by domain" in proc.stdout  # the plain (non-TTY) live view
+    figs = s["phase_figures"]  # english came back: its phase is marked returning, and the report has the table
+    assert [(f["domain"], f["returning"]) for f in figs] == [("english", False), ("code", False), ("english", True)]
+    assert "## Phases" in (out / "report.md").read_text()
 
 
 def test_every_exactness_check_fails_the_demo_and_is_named():
