@@ -33,8 +33,8 @@ from adaptive_eagle.versions import PLAIN
 from policies.config import PolicyConfig
 from policies.fleet import Fleet
 from policies.gates import (
-    CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK, Decision, canary_gate, cold_start_gate, health_canary_gate, offline_gate,
-    sequential_offline_gate,
+    CONTINUE, HOLD, PROMOTE, REJECT, ROLLBACK, Decision, canary_gate, cold_start_gate, domains_line, health_canary_gate,
+    offline_gate, sequential_offline_gate,
     rollback_check,
 )
 from policies.log import PromotionLog
@@ -77,6 +77,7 @@ class CanaryRun:
     champion: str
     since: float  # unix seconds: live samples from here on count
     mode: str = "evidence"  # "health" (exact replay proved the gain), "evidence" or "cold_start"
+    domains: tuple = ()  # the offline gate's per-domain rows (gates.DomainRow as dicts): named when it is promoted
 
 
 def canary_mode(config: PolicyConfig, champion: str, exact_replay: bool) -> str:
@@ -249,7 +250,8 @@ class PolicyController:
                 return Decision(REJECT, reason, decision.evidence)
             self._to("canary", f"{candidate} passed the offline gate")
             mode = canary_mode(self.config, champion, exact_replay)
-            self._canary = CanaryRun(candidate=candidate, champion=champion, since=self.clock(), mode=mode)
+            self._canary = CanaryRun(candidate=candidate, champion=champion, since=self.clock(), mode=mode,
+                                     domains=tuple(decision.evidence.get("domains") or ()))
             self.plog.record("canary_started", candidate=candidate, champion=champion, action=PROMOTE,
                              evidence={**decision.evidence, "canary": mode, "exact_replay": exact_replay},
                              reason=f"offline gate passed, {CANARY_NAMES[mode]} on "
@@ -330,8 +332,11 @@ class PolicyController:
                              reason=reason, evidence=decision.evidence)
             self._to("idle", "promotion failed")
             return Decision(REJECT, reason, decision.evidence)
+        by_domain = domains_line(run.domains)  # what the offline evidence says per domain (on-call reads this)
         self.plog.record("promoted", candidate=run.candidate, champion=run.champion, action=PROMOTE,
-                         reason=f"every replica serves {run.candidate}: {decision.reason}", evidence=decision.evidence)
+                         reason=f"every replica serves {run.candidate}: {decision.reason}"
+                                + (f" Offline, {by_domain}." if by_domain else ""),
+                         evidence={**decision.evidence, "offline_domains": list(run.domains)})
         self._to("watching", f"{run.candidate} promoted")
         self._watch = Watch(version=run.candidate, previous=run.champion, since=self.clock(), baseline=tuple(baseline))
         return decision

@@ -668,9 +668,33 @@ def _baseline_comparison(baseline: Sequence[RequestSample], live: Sequence[Reque
     return compare(baseline, live, config) if len(baseline) >= 2 else None
 
 
+def domains_line(domains: Sequence[dict]) -> str:
+    """Which domains a head moves up and which down, for a promotion's log line: each domain's mean accept length,
+    champion -> candidate, on the evidence the decision read (point estimates, with each domain's records per
+    head), and whether the per-domain guard checked it ("unchecked": fewer than min_domain_samples records, or
+    one domain only). '' when the evidence has no domain rows."""
+    up, down = [], []
+    for d in domains:
+        a, b = d.get("mean_champion"), d.get("mean_candidate")
+        if a is None or b is None or not a:
+            continue
+        n = min(d.get("n_champion", 0), d.get("n_candidate", 0))
+        text = f"{d['domain']} {a:.3f}->{b:.3f} ({100 * (b / a - 1):+.1f}%, {n} records" + \
+            ("" if d.get("checked") else ", unchecked") + ")"
+        (up if b >= a else down).append((b / a, text))
+    if not up and not down:
+        return ""
+    parts = []
+    if up:
+        parts.append("helps " + ", ".join(t for _, t in sorted(up, reverse=True)))
+    if down:
+        parts.append("hurts " + ", ".join(t for _, t in sorted(down)))
+    return "by domain, mean accept length on its evidence (point estimates): " + "; ".join(parts)
+
+
 __all__ = [
     "ACTIONS", "CONTINUE", "HOLD", "PROMOTE", "REJECT", "ROLLBACK", "Action", "Comparison", "ContextRow", "Decision",
-    "DomainRow", "context_guard_reason", "health_canary_able_at",
+    "DomainRow", "context_guard_reason", "domains_line", "health_canary_able_at",
     "canary_gate", "cold_start_gate", "compare", "health_canary_gate", "offline_gate", "pair_by_request",
     "pair_in_order", "rollback_check", "sequential_canary_gate", "sequential_offline_gate",
     "tail_gain_interval", "tail_of",

@@ -5,6 +5,7 @@ story the log tells. The controller itself never imports torch (checked in a fre
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -457,3 +458,30 @@ def test_the_watch_baseline_is_the_previous_champions_recent_requests_not_only_i
     few = samples([3.0] * 4, "v1")
     low = samples([1.5] * CFG.rollback_window, "v2", ids="x")
     assert rollback_check(few, low, CFG).action == HOLD  # 4 baseline requests: nothing to compare a tail with
+
+
+def test_a_promotion_names_the_domains_its_offline_evidence_moved_up_and_down(world):
+    """On-call reads which traffic a promoted head helps and hurts: the offline evidence's per-domain means
+    (point estimates, with the records behind each), up and down, in the promoted line and its evidence."""
+    w = world
+    champ, cand = replay(0.0, 0.3, n=300)
+    # the last 60 records are math, which the candidate serves 1% worse (within the 5% domain tolerance)
+    champ = [dataclasses.replace(s, domain="code" if i < 240 else "math") for i, s in enumerate(champ)]
+    cand = [dataclasses.replace(s, domain="code" if i < 240 else "math",
+                                accept_length=max(1.0, champ[i].accept_length * 0.99) if i >= 240 else s.accept_length)
+            for i, s in enumerate(cand)]
+    assert w.ctrl.consider("v2", champ, cand).action == PROMOTE
+    assert w.run_canary().action == PROMOTE
+    promoted = next(e for e in w.plog.read().events if e.event == "promoted")
+    assert "helps code" in promoted.reason and "hurts math" in promoted.reason, promoted.reason
+    assert "(-1.0%, 60 records" in promoted.reason and "point estimates" in promoted.reason
+    assert {d["domain"] for d in promoted.evidence["offline_domains"]} == {"code", "math"}
+
+
+def test_the_domains_line_says_nothing_without_domains_and_marks_unchecked_ones():
+    from policies.gates import domains_line
+
+    assert domains_line([]) == ""
+    row = {"domain": "code", "n_champion": 4, "n_candidate": 4, "mean_champion": 2.0, "mean_candidate": 2.2,
+           "checked": False}
+    assert domains_line([row]).endswith("helps code 2.000->2.200 (+10.0%, 4 records, unchecked)")
