@@ -175,14 +175,15 @@ def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests()
 @pytest.mark.slow
 @pytest.mark.timeout(960)
 def test_a_quick_demo_runs_the_loop_end_to_end(tmp_path):
-    """The real target, --quick (a 3.5-minute budget, start-up and report included), English, code, English
+    """The real target, --quick with a 3-minute budget (start-up and report included), English, code, English
     again. Not a TTY, so the view
     prints plain lines. How long it took is not a verdict (a loaded machine starts slower); the timeout
     only stops a hung run."""
     out = tmp_path / "report"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "adaptive_eagle_cli", "demo", "--quick", "--out", str(out),
-                           "--scenario", "english,code,english"],  # a drift and a return
+                           "--scenario", "english,code,english",  # a drift and a return
+                           "--minutes", "3"],  # make test's time budget (--quick's default is 3.5)
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     output = proc.stdout[-4000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, output
