@@ -255,8 +255,8 @@ def test_the_stand_in_implements_only_what_upstream_defines(upstream):
     assert standin.SAMPLING_FIELDS <= set(upstream.api_sampling_fields)
 
 
-def test_everything_the_backend_sends_on_its_whole_path_exists_upstream(upstream, tmp_path):
-    """Generate, a swap in place, a swap by restart, a rollback: every request the stand-in saw."""
+def _launched(tmp_path):
+    """A stand-in SGLang server launched as the backend launches one, serving head v1: (host, client, backend)."""
     registry = standin.make_registry(tmp_path / "registry")
     host = standin.StandInHost()
     cfg = SGLangConfig(model_path="/m", draft_model_path=str(registry.get("v1")), weight_version="v1", launch=True,
@@ -264,6 +264,12 @@ def test_everything_the_backend_sends_on_its_whole_path_exists_upstream(upstream
     client = host.client()
     backend = SGLangBackend(cfg, standin.WordTokenizer(), registry, "v1", client=client,
                             process=launch_sglang(cfg, client=client, spawn=host.spawn), spawn=host.spawn)
+    return host, client, backend
+
+
+def test_everything_the_backend_sends_on_its_whole_path_exists_upstream(upstream, tmp_path):
+    """Generate, a swap in place, a swap by restart, a rollback: every request the stand-in saw."""
+    host, client, backend = _launched(tmp_path)
     req = DecodeRequest(request_id="r", prompt="w5 w6", max_tokens=6, temperature=0.5, top_k=3, seed=1, stop=("w9",))
     for version in ("v2", "v3", "v1"):
         list(backend.stream(req, backend.prepare(req), capture=True))
@@ -343,13 +349,7 @@ def test_sglangs_own_xgrammar_reads_a_required_calls_ebnf_as_the_reference_engin
 
 
 def test_a_required_call_reaches_sglang_as_ebnf_and_a_grammar_sglang_cannot_compile_is_a_400(tmp_path):
-    registry = standin.make_registry(tmp_path / "registry")
-    host = standin.StandInHost()
-    cfg = SGLangConfig(model_path="/m", draft_model_path=str(registry.get("v1")), weight_version="v1", launch=True,
-                       health_poll_s=0.001, startup_timeout_s=5.0)
-    client = host.client()
-    backend = SGLangBackend(cfg, standin.WordTokenizer(), registry, "v1", client=client,
-                            process=launch_sglang(cfg, client=client, spawn=host.spawn), spawn=host.spawn)
+    host, client, backend = _launched(tmp_path)
     req = DecodeRequest(request_id="r", prompt="w5 w6", max_tokens=4, response_format=json.dumps(CALL_FORMAT))
     list(backend.stream(req, backend.prepare(req), capture=False))
     sent = host.log[-1][2]["sampling_params"]
