@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from adaptive_eagle_cli.demo.config import Phase
-from adaptive_eagle_cli.demo.report import _tpot_ms, tpot_gain_interval
+from adaptive_eagle_cli.demo.report import _tpot_ms, _trimmed, tpot_gain_interval
 
 LEVEL = 0.9
 RESAMPLES = 2000
@@ -70,11 +70,6 @@ def _interval(xs: np.ndarray, scale=lambda x: x) -> Optional[tuple[float, float]
     return round(float(scale(lo)), 2), round(float(scale(hi)), 2)
 
 
-def _accept(steps: Sequence[Sequence[int]]) -> Optional[float]:
-    acc, n = _sums(steps)
-    return round(float(1 + acc.sum() / n.sum()), 4) if n.sum() else None
-
-
 def phase_figures(results: Sequence, phases: Sequence[Phase], counts: dict, promotions: Sequence[tuple[float, str]],
                   seed: int = 0) -> list[dict]:
     """One dict a phase (the module docstring says what each figure is). results: the run's RequestResults;
@@ -92,14 +87,15 @@ def phase_figures(results: Sequence, phases: Sequence[Phase], counts: dict, prom
 
         def helped(version: str) -> bool:
             own = [counts[r.request_id] for r in rs if r.head_version == version]
-            a, b = _accept([c.served for c in own]), _accept([c.frozen for c in own])
+            a, b = _trimmed([c.served for c in own]), _trimmed([c.frozen for c in own])
             return a is not None and b is not None and a > b
 
         helping = [t for t, v in mine if helped(v)]
         earlier = [j for j in range(i) if phases[j].domain == p.domain]
         fig = {"phase": i, "domain": p.domain, "start_s": round(p.start_s, 1), "end_s": round(p.end_s, 1),
                "drifted": i > 0 and p.domain != phases[i - 1].domain, "returning": bool(earlier),
-               "requests": len(rs), "accept_length_served": _accept(served), "accept_length_frozen": _accept(frozen),
+               "requests": len(rs), "accept_length_served": _trimmed(served),
+               "accept_length_frozen": _trimmed(frozen),
                "gain_pct": None if gain is None else round(100 * (gain - 1), 2),
                "gain_pct_interval": _interval(_boot_ratios(served, frozen, rng), lambda x: 100 * (x - 1))
                if gain is not None else None,
