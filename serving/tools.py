@@ -187,9 +187,9 @@ def check_history(messages: list) -> None:
 # ---- rendering ------------------------------------------------------------------------------------
 def wire_messages(messages: list[tuple[str, str, Any, Optional[str]]]) -> tuple[dict[str, str], ...]:
     """Chat messages (role, text, tool_calls or None, tool_call_id or None) as a DecodeRequest carries them to a
-    replica: {role,
-    content}, an assistant's calls as "tool_calls" (JSON text of [{id, type, function: {name, arguments}}]),
-    and a tool message's "tool_call_id". The replica renders them for its target's template (`chat_prompt`)."""
+    replica: {role, content}, an assistant's calls as "tool_calls" (JSON text of [{id, type, function: {name,
+    arguments}}]), and a tool message's "tool_call_id". The replica renders them for its target's template
+    (`chat_prompt`)."""
     out = []
     for role, text, calls, call_id in messages:
         m = {"role": role, "content": text}
@@ -226,7 +226,7 @@ class ChatPrompt:
 
 PROBE_TOOL = {"type": "function", "function": {"name": "probe_lookup_7f3a", "description": "probe 7f3a tool",
                                                "parameters": {"type": "object", "properties": {}}}}
-_SPEAKS: dict[int, bool] = {}
+_SPEAKS: dict[str, bool] = {}  # chat template -> whether it speaks hermes
 
 
 def speaks_hermes(tokenizer) -> bool:
@@ -236,8 +236,7 @@ def speaks_hermes(tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str) or "tools" not in template:
         return False
-    key = hash(template)
-    if key not in _SPEAKS:
+    if template not in _SPEAKS:
         probe = [{"role": "user", "content": "probe question"},
                  {"role": "assistant", "content": "", "tool_calls": [
                      {"type": "function", "function": {"name": "probe_lookup_7f3a", "arguments": {}}}]},
@@ -247,9 +246,9 @@ def speaks_hermes(tokenizer) -> bool:
                                                  add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template that cannot render tools does not speak them
             text = ""
-        _SPEAKS[key] = (isinstance(text, str) and "probe 7f3a tool" in text and "<tool_response>" in text
-                        and re.search(r"<tool_call>\s*\{\s*\"name\": \"probe_lookup_7f3a\"", text) is not None)
-    return _SPEAKS[key]
+        _SPEAKS[template] = (isinstance(text, str) and "probe 7f3a tool" in text and "<tool_response>" in text
+                             and re.search(r"<tool_call>\s*\{\s*\"name\": \"probe_lookup_7f3a\"", text) is not None)
+    return _SPEAKS[template]
 
 
 def _arguments(text: str) -> Any:
