@@ -87,12 +87,13 @@ def run_one(kind: str, args, out: Path) -> dict:
            str(args.minutes), "--head", kind, "--seed", str(args.seed), "--out", str(out),
            "--first-phase-share", str(round(1 / len(args.scenario.split(",")), 4))] + (["--quick"] if args.quick else [])
     print(f"[continual] {kind}: {' '.join(cmd[2:])}", flush=True)
+    summary_path = out / "summary.json"
+    summary_path.unlink(missing_ok=True)  # an earlier run's summary in --out must never stand for this run
     t = time.monotonic()
     with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
         for line in proc.stdout:  # the demo's progress, prefixed (a long run shows where it is)
             print(f"[{kind}] {line.rstrip()}", flush=True)
-    summary_path = out / "summary.json"
     if not summary_path.is_file():
         return {"exit_code": proc.returncode, "error": "the demo wrote no summary.json (see its output above)",
                 "report": str(out)}

@@ -31,3 +31,18 @@ def test_a_run_without_a_promotion_gains_nothing_and_cannot_be_said_to_remember(
     g = goals(phases)
     assert g["drifted_gain_at_least_10pct"] is False and g["returning_forgets_at_most_1pct"] is None
     assert "no promotion" in g["why"]
+
+
+def test_a_run_that_writes_no_summary_is_an_error_even_over_an_old_report(tmp_path, monkeypatch):
+    import argparse
+    import json
+
+    from bench import continual
+
+    out = tmp_path / "dense"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"phase_figures": [], "promotions": 3}))  # an earlier run's
+    monkeypatch.setattr(continual.sys, "executable", "false")  # the demo process fails at once
+    args = argparse.Namespace(scenario="english,code", minutes=1.0, seed=0, quick=True)
+    got = continual.run_one("dense", args, out)
+    assert got["exit_code"] != 0 and "no summary.json" in got["error"]
