@@ -60,7 +60,7 @@ def check_stack(cfg: StackConfig, serving_target: bool = True) -> StackCheck:
     provisioning of a target directory is held to serving.target (the seed head itself must still be here)."""
     problems: list[Problem] = []
     notes: list[str] = []
-    for rule in (_candidates, _live_minimums, _cluster_paths, _holdback):
+    for rule in (_candidates, _live_minimums, _cluster_paths, _holdback, _head_kind):
         rule(cfg, problems, notes)
     _provisioned(cfg, problems, notes, serving_target)
     if serving_target:
@@ -118,6 +118,17 @@ def _candidates(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> 
             f"{gates.min_domain_samples} the gate needs to check a domain for regression: no domain would ever be "
             f"checked. Raise trainer.heldout_per_domain to >= {gates.min_domain_samples} or lower "
             "policy.min_domain_samples")))
+
+
+def _head_kind(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:
+    """The trainer must write heads the replicas can serve: SGLang's EAGLE-3 worker has a dense MLP."""
+    if not cfg.trainer.enabled or cfg.serving.backend != "sglang":
+        return
+    if {**cfg.trainer_defaults(), **cfg.trainer.inner_fields()}.get("moe_grow"):
+        problems.append(Problem(("trainer.moe_grow", "serving.backend"), (
+            "the trainer would grow MoE-routed heads, and SGLang's EAGLE-3 worker serves dense heads only: the "
+            "policy would refuse every candidate after the first expert. Set trainer.moe_grow false, or serve "
+            "with serving.backend reference")))
 
 
 def _live_minimums(cfg: StackConfig, problems: list[Problem], notes: list[str]) -> None:

@@ -271,6 +271,8 @@ class PolicyController:
             return Decision(HOLD, f"{pin.version} is pinned; no promotion until unpinned.")
         if candidate == champion:
             return Decision(HOLD, f"{candidate} already is the champion.")
+        if (why := self.fleet.cannot_serve(candidate)) is not None:
+            return Decision(REJECT, f"{candidate} cannot serve on this fleet: {why}.")
         return None
 
     # ---- the periodic step -------------------------------------------------------------------------

@@ -53,5 +53,11 @@ class Fleet(Protocol):
         """Finished requests that decoded with `version` and finished at or after `since` (unix seconds)."""
         ...
 
+    def cannot_serve(self, version: str) -> str | None:
+        """Why some replica could never serve `version` (a head kind its engine cannot load: a MoE-routed head
+        on SGLang replicas), or None. Cheap and side-effect free: the policy asks before judging a candidate,
+        so a head the fleet cannot serve is refused with this reason instead of failing at its canary."""
+        ...
+
 
 __all__ = ["Fleet", "SwapOutcome"]

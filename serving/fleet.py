@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 from adaptive_eagle.binding import SwapResult
 from policies.canary import Canary, LiveSamples
@@ -42,15 +42,17 @@ def live_sample(spec: SpecMetrics, request_id: str, tokens: int, finished_at: Op
 
 
 class GatewayFleet:
-    """Satisfies policies.fleet.Fleet: swap, serving_versions, set_canary, live_samples."""
+    """Satisfies policies.fleet.Fleet: swap, serving_versions, set_canary, live_samples, cannot_serve."""
 
     def __init__(self, router: Router, samples: LiveSamples, call_timeout_s: float = 120.0, *,
-                 rolling: bool = False) -> None:
+                 rolling: bool = False, refusal: Optional[Callable[[str], Optional[str]]] = None) -> None:
         """rolling: swap one replica at a time, each drained first and routed nothing until it serves again
         (SGLang replicas: a swap holds SGLang's weight-update lock, or restarts the server); the others keep
-        serving meanwhile. Otherwise every replica swaps at once (the reference engine swaps under load)."""
+        serving meanwhile. Otherwise every replica swaps at once (the reference engine swaps under load).
+        refusal: version -> why these replicas can never serve it (SGLang's: sglang_swap.registry_refusal), or
+        None; without one every head kind is servable (the reference engine serves dense and MoE heads)."""
         self.router, self.samples, self.call_timeout_s = router, samples, call_timeout_s
-        self.rolling = rolling
+        self.rolling, self.refusal = rolling, refusal
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the gateway's loop (set when it starts)
         self._swap_lock = asyncio.Lock()
 
@@ -69,6 +71,9 @@ class GatewayFleet:
     def live_samples(self, version: str, since: float = 0.0) -> list[RequestSample]:
         """Finished requests that decoded with `version` and finished at or after `since` (unix s)."""
         return self.samples.get(version, since)
+
+    def cannot_serve(self, version: str) -> Optional[str]:
+        return None if self.refusal is None or version == "none" else self.refusal(version)
 
     def _call(self, coro, calls: int = 1):
         if self.loop is None:

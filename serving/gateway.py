@@ -47,8 +47,9 @@ from serving.fleet import GatewayFleet, live_sample
 from serving.messages import Delta, Event, Finished, Refused, ServerStatus
 from serving.metrics import GatewayMetrics
 from serving.router import LocalReplica, NoReplica, QueueFull, Replica, Router
-from serving.tools import CallStream
+from serving.sglang_swap import registry_refusal
 from serving.server import DecodeServer
+from serving.tools import CallStream
 
 log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 5.0
@@ -111,7 +112,9 @@ class Gateway:
         versions = [r.server.head_version if isinstance(r, LocalReplica) else "none" for r in reps]
         self.router = Router(reps, versions, config.queue_size, config.request_timeout_s, rng)
         self.samples = LiveSamples(config.live_samples_max)
-        self.fleet = GatewayFleet(self.router, self.samples, rolling=config.backend == "sglang")
+        sglang = config.backend == "sglang"  # SGLang replicas swap one at a time and serve dense heads only
+        refusal = registry_refusal(config.registry_path) if sglang and config.registry_path is not None else None
+        self.fleet = GatewayFleet(self.router, self.samples, rolling=sglang, refusal=refusal)
         self.metrics = GatewayMetrics()
         self._silent: set[str] = set()  # replicas whose last status call failed
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -55,9 +55,8 @@ class DraftWeights:
 
         directory = Path(directory)
         config = read_config(directory)
-        if config.num_experts > 1:
-            raise ValueError(f"{directory}: a MoE-routed head ({config.num_experts} experts); SGLang's EAGLE-3 "
-                             "head has a dense MLP and cannot serve it")
+        if (why := unservable(config)) is not None:
+            raise ValueError(f"{directory}: {why}")
         weights = directory / WEIGHTS_FILE
         if sha256 is not None and (digest := file_sha256(weights)) != sha256:
             raise ValueError(f"{weights}: sha256 {digest[:16]}… differs from head.json's {sha256[:16]}…")
@@ -72,6 +71,27 @@ class DraftWeights:
         mine, theirs = self.loadable(), other.loadable()
         return mine.keys() == theirs.keys() and all(
             mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def unservable(config: DraftHeadConfig) -> Optional[str]:
+    """Why SGLang's EAGLE-3 worker cannot serve a head of this config at all (restart or not), or None."""
+    if config.num_experts > 1:
+        return (f"a MoE-routed head ({config.num_experts} experts); SGLang's EAGLE-3 head has a dense MLP and "
+                "cannot serve it")
+    return None
+
+
+def registry_refusal(registry_path) -> "Callable[[str], Optional[str]]":
+    """The policy's pre-check for a fleet of SGLang replicas: version -> why SGLang cannot serve it (its head
+    config, read from the registry at `registry_path`), or None. Reads one small JSON file per call."""
+    def refusal(version: str) -> Optional[str]:
+        from adaptive_eagle.registry import HeadRegistry, RegistryError
+
+        try:
+            return unservable(read_config(HeadRegistry(registry_path).get(version)))
+        except (RegistryError, OSError, ValueError) as e:
+            return f"its head config cannot be read: {e}"
+    return refusal
 
 
 def hot_swap_blocker(new: DraftWeights, launched: DraftWeights) -> Optional[str]:

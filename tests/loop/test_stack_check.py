@@ -104,6 +104,10 @@ def test_every_shipped_config_passes_the_check(tmp_path, monkeypatch):
     ({"ray": {"address": "auto"}, "store": {"backend": "redis"}, "state_dir": "~/.cache/adaptive-eagle/stack"},
      ("ray.address", "registry.path")),
     ({"ray": {"address": "auto"}, "registry": {"path": "/mnt/shared/reg"}}, ("ray.address", "store.backend")),
+    ({"trainer": {"moe_grow": True}}, None),  # the reference engine serves MoE-routed heads
+    ({"trainer": {"moe_grow": True}, "ray": {"address": "auto"},
+      "serving": {"backend": "sglang", "sglang": {"model_path": "/m", "draft_model_path": "/d"}}},
+     ("trainer.moe_grow", "serving.backend")),
 ])
 def test_each_rule_names_every_field_involved(tmp_path, sections, fields):
     cfg = parse_stack_config({"state_dir": str(tmp_path), **sections})

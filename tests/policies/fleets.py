@@ -26,10 +26,12 @@ class LocalFleet:
     """A Fleet over in-process replicas. Tests call ``route(request_id)`` to learn which version a new
     request decodes with and ``record(sample)`` when it finishes. Thread-safe."""
 
-    def __init__(self, replicas: Sequence[Replica], *, max_samples: int = 100_000) -> None:
+    def __init__(self, replicas: Sequence[Replica], *, max_samples: int = 100_000,
+                 unservable: dict[str, str] | None = None) -> None:
         if not replicas:
             raise ValueError("a fleet needs at least one replica")
         self.replicas = list(replicas)
+        self.unservable = dict(unservable or {})  # version -> why the replicas could never serve it
         self.samples = LiveSamples(max_samples)  # bounded per head version
         self._canary: Canary | None = None
         self._lock = threading.Lock()
@@ -49,6 +51,9 @@ class LocalFleet:
 
     def live_samples(self, version: str, since: float) -> list[RequestSample]:
         return self.samples.get(version, since)
+
+    def cannot_serve(self, version: str) -> str | None:
+        return self.unservable.get(version)
 
     # ---- the serving side -------------------------------------------------------------------------
     @property

@@ -171,6 +171,15 @@ def test_a_fleet_that_refuses_the_canary_rejects_the_candidate(world):
     assert w.ctrl.state == "idle" and w.events() == ["considered", "rejected"]
 
 
+def test_a_head_the_fleet_can_never_serve_is_rejected_before_any_gate(world):
+    w = world
+    w.fleet.unservable["v2"] = "a MoE-routed head (2 experts)"
+    d = w.ctrl.consider("v2", *replay(0.0, 0.3), sequential=True)
+    assert d.action == REJECT and d.reason == "v2 cannot serve on this fleet: a MoE-routed head (2 experts)."
+    assert w.ctrl.state == "idle" and w.events() == ["considered"] and w.plog.read().events[0].action == REJECT
+    assert all(r.swaps == [] for r in w.replicas) and w.fleet.canary is None
+
+
 # ---- rollback ------------------------------------------------------------------------------------
 def test_a_collapse_after_promotion_rolls_back_and_blocks(world):
     w = world

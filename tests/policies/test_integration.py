@@ -279,6 +279,9 @@ class TimedFleet:
     def live_samples(self, version, since):
         return self.fleet.live_samples(version, since)
 
+    def cannot_serve(self, version):
+        return self.fleet.cannot_serve(version)
+
 
 class PolicyLoop:
     """The PolicyActor shell on its own event loop thread, ticking unattended."""

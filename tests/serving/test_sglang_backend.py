@@ -382,3 +382,43 @@ def test_when_both_restarts_fail_the_replica_refuses_requests_until_a_swap_succe
 # checked against the 0.5.23 wheel's source (tests/serving/test_sglang_contract.py
 # test_every_launch_flag_is_a_server_argument_with_the_right_arity, which runs in every `make test`), and SGLang
 # itself starts on them in ops/gpu_check.sh on a GPU machine.
+
+
+def test_the_policy_refuses_a_moe_candidate_for_sglang_replicas_before_any_swap(tmp_path):
+    """A MoE-routed candidate never reaches an SGLang replica: the policy asks the gateway's fleet first and
+    rejects it with the reason (no gate, no canary, no swap, no restart); a dense one is servable."""
+    import dataclasses
+
+    from adaptive_eagle.checkpoint import HeadMeta, read_config
+    from adaptive_eagle.draft_head import Eagle3DraftHead, init_weights
+    from adaptive_eagle.targets import tiny_target
+    from policies.controller import PolicyController
+    from policies.gates import REJECT
+    from policies.log import PromotionLog
+    from policies.samples import RequestSample
+    from serving.config import ServingConfig
+    from serving.gateway import Gateway
+
+    registry = make_registry(tmp_path / "registry")
+    target = tiny_target(seed=5, vocab_size=64, hidden_size=32, num_layers=4)  # make_registry's target
+    head = Eagle3DraftHead(dataclasses.replace(read_config(registry.get("v1")), num_experts=2, num_experts_per_tok=1))
+    init_weights(head, std=0.1)
+    head.set_draft_vocab(torch.arange(4, 44))
+    registry.register(head, HeadMeta.new("m1", target.name, target.fingerprint), dtype=torch.float32)
+    host, backend, server = replica(registry)
+    config = ServingConfig(model_name="m", replicas=1, backend="sglang", sglang=backend.cfg,
+                           registry_path=str(registry.root))
+    fleet = Gateway(config, [server]).fleet
+    assert fleet.cannot_serve("v2") is None and "MoE-routed head (2 experts)" in fleet.cannot_serve("m1")
+    assert Gateway(config.model_copy(update={"registry_path": None}), [server]).fleet.cannot_serve("m1") is None
+
+    plog = PromotionLog(tmp_path / "promotions.jsonl")
+    controller = PolicyController(registry, fleet, plog)
+    samples = [RequestSample(accept_length=2.0 + i % 3, head_version="v1", request_id=f"r{i}") for i in range(200)]
+    better = [dataclasses.replace(s, accept_length=s.accept_length + 1, head_version="m1") for s in samples]
+    decision = controller.consider("m1", samples, better)
+    assert decision.action == REJECT and "m1 cannot serve on this fleet" in decision.reason
+    assert "dense MLP" in decision.reason and controller.state == "idle"
+    [line] = plog.read().events
+    assert line.event == "considered" and line.action == REJECT and "MoE" in line.reason
+    assert backend.head_version == "v1" and len(host.launches) == 1 and host.server.session is None
