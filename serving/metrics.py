@@ -68,17 +68,40 @@ LOST_COUNTS = ("aborted", "refused_by_sglang", "broken_streams", "protocol_error
 class LoopGainCollector:
     """ae_loop_tpot_gain / ae_loop_accept_gain{domain, stat}: per domain, the holdback arm's figures against the
     served arm's over the newest requests (policies.holdback.HoldbackWindow; stat: point, p05, p95 of a 90%
-    bootstrap interval), computed at scrape time; a domain shows once both arms have MIN_PER_ARM requests."""
+    bootstrap interval), computed at scrape time; a domain shows once both arms have MIN_PER_ARM requests.
+    ae_loop_domain_accept_length{domain, arm}: each arm's median accept length (served: the champion and any
+    canary; holdback: the frozen baseline). ae_loop_forgetting_pct{domain, stat}: how far the domain's newest
+    block of served requests fell below the best block the run served on it, each relative to the frozen arm
+    (policies.holdback.Forgetting), once two blocks closed."""
 
     def __init__(self, window: HoldbackWindow) -> None:
         self.window = window
 
     def describe(self):
-        return list(self._families([]))
+        return list(self._families([])) + list(self._by_domain([], []))
 
     def collect(self):
-        gains = [g for d in self.window.domains() if (g := self.window.gain(d, resamples=200)) is not None]
-        return list(self._families(gains))
+        domains = self.window.domains()
+        gains = [g for d in domains if (g := self.window.gain(d, resamples=200)) is not None]
+        forgetting = [f for d in domains if (f := self.window.forgetting(d, resamples=200)) is not None]
+        return list(self._families(gains)) + list(self._by_domain([(d, self.window.medians(d)) for d in domains],
+                                                                  forgetting))
+
+    @staticmethod
+    def _by_domain(medians, forgetting):
+        accept = GaugeMetricFamily("ae_loop_domain_accept_length", "Median accept length per domain and arm over "
+                                   "the newest requests (served: the champion and any canary; holdback: the frozen "
+                                   "baseline head, same replicas and time)", labels=["domain", "arm"])
+        for domain, by_arm in medians:
+            for arm, v in by_arm.items():
+                accept.add_metric([domain, arm], v)
+        forgot = GaugeMetricFamily("ae_loop_forgetting_pct", "Percent of the best block gain over the frozen arm "
+                                   "that the newest block of the domain's served requests lost (positive: "
+                                   "forgotten; stat point, p05, p95 of a 90% interval)", labels=["domain", "stat"])
+        for f in forgetting:
+            for stat, v in (("point", f.pct), ("p05", f.pct_90[0]), ("p95", f.pct_90[1])):
+                forgot.add_metric([f.domain, stat], v)
+        return [accept, forgot]
 
     @staticmethod
     def _families(gains):

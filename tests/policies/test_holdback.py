@@ -5,7 +5,7 @@ only once both arms have enough requests."""
 import pytest
 
 from policies.canary import Canary
-from policies.holdback import MIN_PER_ARM, Holdback, HoldbackWindow
+from policies.holdback import BLOCK, MIN_PER_ARM, Holdback, HoldbackWindow
 
 
 def test_the_arm_takes_a_stable_share_independent_of_the_canary():
@@ -48,3 +48,33 @@ def test_the_window_keeps_the_newest_requests():
     for _ in range(MIN_PER_ARM):  # the served arm got twice as fast: the old requests fall out
         w.add(None, "served", 0.025, 2.0)
     assert w.gain("none").tpot_gain == pytest.approx(2.0) and w.counts()[("none", "served")] == MIN_PER_ARM
+
+
+def test_forgetting_compares_the_newest_block_with_the_best_each_relative_to_the_frozen_arm():
+    import random
+
+    rng = random.Random(0)
+    w = HoldbackWindow(max_per_arm=200, block=BLOCK)
+    for _ in range(BLOCK):  # a block closing before the frozen arm has MIN_PER_ARM requests is dropped
+        w.add("code", "served", 0.02, 2.0)
+    for _ in range(MIN_PER_ARM):
+        w.add("code", "holdback", 0.03, 1.6 + rng.uniform(-0.1, 0.1))
+
+    def block(level):
+        for _ in range(BLOCK):
+            w.add("code", "served", 0.02, level + rng.uniform(-0.2, 0.2))
+
+    block(2.4)
+    assert w.forgetting("code") is None  # one block: nothing to compare with
+    block(2.4)
+    same = w.forgetting("code")
+    assert same.blocks == 2 and same.pct_90[0] <= same.pct <= same.pct_90[1] and same.pct_90[0] < 0.5
+    block(2.0)  # the head lost 1/6 of its accept length on code: (2.4 - 2.0) / 2.4
+    f = w.forgetting("code")
+    assert f.blocks == 3 and f.pct == pytest.approx(100 / 6, abs=5) and f.pct_90[0] > 10
+    assert f.best_gain > f.newest_gain and w.forgetting("english") is None
+    block(2.4)  # relearned
+    assert abs(w.forgetting("code").pct) < 5
+    assert set(w.medians("code")) == {"served", "holdback"} and w.medians("english") == {}
+    with pytest.raises(ValueError, match="block"):
+        HoldbackWindow(block=MIN_PER_ARM - 1)

@@ -3,9 +3,12 @@ prepared next to the served one for as long as the replica runs, losslessly; eac
 gateway's metrics show the frozen arm against the served one per domain (ae_loop_tpot_gain); a stack that asks
 for the arm on SGLang replicas is refused with a reason."""
 
+import re
+
+import pytest
 from prometheus_client import generate_latest
 
-from policies.holdback import MIN_PER_ARM, Holdback
+from policies.holdback import BLOCK, MIN_PER_ARM, Holdback
 from serving.messages import DecodeRequest, Finished, SpecMetrics
 from serving.metrics import GatewayMetrics
 
@@ -54,6 +57,15 @@ def test_the_gateway_exports_the_loops_gain_per_domain_from_the_two_arms():
     assert 'ae_loop_tpot_gain{domain="code",stat="point"} 1.5' in text
     assert 'ae_loop_accept_gain{domain="code",stat="point"} 1.49999' in text
     assert 'ae_holdback_requests_total{arm="holdback",domain="code"} 20.0' in text
+    assert 'ae_loop_domain_accept_length{arm="served",domain="code"} 2.4' in text
+    assert 'ae_loop_domain_accept_length{arm="holdback",domain="code"} 1.6' in text
+    assert "ae_loop_forgetting_pct{" not in text  # no block closed yet
+    for level in (2.4, 2.4, 1.8):  # three blocks of served requests; the newest lost a quarter of the best's
+        for _ in range(BLOCK):
+            m.observe(spec("served", 0.020, level), 16)
+    text = generate_latest(m.registry).decode()
+    point = re.search(r'ae_loop_forgetting_pct\{domain="code",stat="point"\} (\S+)', text)
+    assert point and float(point.group(1)) == pytest.approx(25.0)
 
 
 def test_a_holdback_arm_on_sglang_replicas_is_refused_with_a_reason():
