@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -60,15 +61,22 @@ def tool_call_grammar(spec: dict):
     return one if more is None else xgr.Grammar.concat(one, more)
 
 
+@contextmanager
+def engine_refusals():
+    """The grammar engine refuses a schema with its own exception types: re-raised as GrammarError."""
+    try:
+        yield
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever xgrammar raises for a schema it cannot compile
+        raise GrammarError(f"the grammar engine cannot compile this schema: {type(e).__name__}: {e}") from None
+
+
 def tool_call_ebnf(spec: dict) -> str:
     """`tool_call_grammar` as EBNF text (what SGLang's SamplingParams.ebnf takes). Raises GrammarError when the
     schema cannot be compiled."""
-    try:
+    with engine_refusals():
         return str(tool_call_grammar(spec))
-    except GrammarError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the grammar engine refuses a schema with its own exception types
-        raise GrammarError(f"the grammar engine cannot compile this schema: {type(e).__name__}: {e}") from None
 
 
 class Grammars:
@@ -99,7 +107,7 @@ class Grammars:
         if hit is not None:
             return hit
         kind = spec.get("type")
-        try:
+        with engine_refusals():
             if kind == "tool_call":
                 return self._keep(key, self.compiler.compile_grammar(tool_call_grammar(spec)))
             if kind == "json_object":  # OpenAI's JSON mode: any JSON object
@@ -116,10 +124,6 @@ class Grammars:
             # model cannot spend its tokens on blank space
             compiled = self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                          strict_mode=strict)
-        except GrammarError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the grammar engine refuses a schema with its own exception types
-            raise GrammarError(f"the grammar engine cannot compile this schema: {type(e).__name__}: {e}") from None
         return self._keep(key, compiled)
 
     def _keep(self, key: str, compiled) -> "Grammar":

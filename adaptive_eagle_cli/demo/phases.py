@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from adaptive_eagle_cli.demo.config import Phase
-from adaptive_eagle_cli.demo.report import _tpot_ms, _trimmed, tpot_gain_interval
+from adaptive_eagle_cli.demo.report import _tpot_ms, _trimmed, beats_frozen, tpot_gain_interval
 
 LEVEL = 0.9
 RESAMPLES = 2000
@@ -86,9 +86,7 @@ def phase_figures(results: Sequence, phases: Sequence[Phase], counts: dict, prom
         mine = sorted((t, v) for t, v in promotions if p.start_s <= t < p.end_s)
 
         def helped(version: str) -> bool:
-            own = [counts[r.request_id] for r in rs if r.head_version == version]
-            a, b = _trimmed([c.served for c in own]), _trimmed([c.frozen for c in own])
-            return a is not None and b is not None and a > b
+            return beats_frozen([counts[r.request_id] for r in rs if r.head_version == version]) is True
 
         helping = [t for t, v in mine if helped(v)]
         earlier = [j for j in range(i) if phases[j].domain == p.domain]

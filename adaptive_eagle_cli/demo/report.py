@@ -128,6 +128,13 @@ def event_seconds(event, t0: float) -> float:
     return datetime.fromisoformat(event.time.replace("Z", "+00:00")).timestamp() - t0
 
 
+def beats_frozen(own: Sequence) -> Optional[bool]:
+    """Whether the served heads' accept length over these requests' step counts (control.StepCounts) beats the
+    frozen head's replay of the same requests; None when there are too few to say."""
+    served, frozen = _trimmed([c.served for c in own]), _trimmed([c.frozen for c in own])
+    return None if served is None or frozen is None else served > frozen
+
+
 def helped_drifted_domain(results: Sequence[RequestResult], counts: dict, phases: Sequence[Phase], version: str) -> \
         Optional[bool]:
     """Whether `version`, on the drifted domain's requests it served, beat the frozen head replayed on the same
@@ -135,10 +142,8 @@ def helped_drifted_domain(results: Sequence[RequestResult], counts: dict, phases
     if len(phases) < 2:
         return None
     drifted = phases[1].domain
-    own = [counts[r.request_id] for r in results
-           if r.ok and r.head_version == version and r.domain == drifted and r.request_id in counts]
-    served, frozen = _trimmed([c.served for c in own]), _trimmed([c.frozen for c in own])
-    return None if served is None or frozen is None else served > frozen
+    return beats_frozen([counts[r.request_id] for r in results
+                         if r.ok and r.head_version == version and r.domain == drifted and r.request_id in counts])
 
 
 def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[float], events: Sequence,
