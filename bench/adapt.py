@@ -108,6 +108,7 @@ def captured(target, head_dir: Path, sets: dict[str, tuple[str, str, int]], max_
                         f"{time.time() - t0:.0f} s")
             writer.close()
             log(f"  {sum(r.generated_tokens for r in recs)} tokens in {time.time() - t0:.0f} s")
+            recs = scan_records(store, RecordFilter()).records  # as the store's codec keeps them, as a rerun reads
         out[name] = recs
     return out
 

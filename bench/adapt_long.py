@@ -66,8 +66,7 @@ def session_records(target, head_dir: Path, split: str, n: int, max_tokens: int,
                             fsync=False)
         done = Path(store.local_root, "complete")
         if done.exists():
-            got = scan_records(store, RecordFilter()).records
-            recs.extend(sorted(got, key=lambda r: len(r.input_ids)))  # a session's turns grow: store order may not
+            recs.extend(stored(store))
             continue
         if engine is None:
             log(f"replaying long {split} sessions (turn by turn, the target's own answers) with capture on ...")
@@ -87,10 +86,16 @@ def session_records(target, head_dir: Path, split: str, n: int, max_tokens: int,
         sent = replay(sess, generate, fits=lambda m: len(engine.encode(m)) <= context)
         writer.close()
         done.write_text(json.dumps({"session": sess.id, "records": len(mine)}))
-        recs.extend(mine)
+        recs.extend(stored(store))  # as the store's codec keeps them: a first run scores what a rerun reads
         log(f"  session {si + 1}/{len(sessions)} ({sess.kind}): {len(sent)} turns, last context "
             f"{len(mine[-1].input_ids) if mine else 0} tokens, {time.time() - t0:.0f} s")
     return recs
+
+
+def stored(store: StoreConfig) -> list:
+    """A cached session's records as its store returns them, in turn order (a session's turns grow; store
+    order may not)."""
+    return sorted(scan_records(store, RecordFilter()).records, key=lambda r: len(r.input_ids))
 
 
 def store_bytes_per_token(records: list, codec: str) -> float:

@@ -36,3 +36,31 @@ def test_long_workload_intervals_resample_whole_sessions_and_pair_the_heads():
     assert 0 < lo <= hi
     lo, hi = bootstrap_gain(base, session_sums(score([4, 2, 1, 2, 1, 1]), LONG_EDGE), long=False)
     assert lo < 0 < hi
+
+
+def test_a_first_run_scores_the_features_a_rerun_reads(smollm2, tmp_path, monkeypatch):
+    """session_records returns a session's records as its store keeps them (the store's lossy codec), whether it
+    just replayed the session or read it from the cache: a first run of the bench scores the same features as
+    its reruns, and as the trainer, which reads the store."""
+    import numpy as np
+
+    import bench.adapt_long as AL
+    import bench.sessions as S
+    from adaptive_eagle.cli import SHIPPED_HEAD
+    from bench.adapt_long import session_records
+
+    monkeypatch.setenv("ADAPTIVE_EAGLE_CACHE", str(tmp_path))
+    one = S.Session("chat-0", "chat", S.CHAT_SYSTEM, (({"role": "user", "content": "Name three rivers."},),
+                                                     ({"role": "user", "content": "And three lakes?"},)))
+    monkeypatch.setattr(AL.D, "load_sharegpt", lambda: [])  # the session is given: no need to read ShareGPT
+    monkeypatch.setattr(S, "build_sessions", lambda *a, **k: [one])
+    logs = []
+    args = dict(split="heldout", n=1, max_tokens=4, min_chars=1000, max_turns=2, log=logs.append)
+    fresh = session_records(smollm2, SHIPPED_HEAD, **args)
+    assert any("replaying" in line for line in logs)
+    logs.clear()
+    cached = session_records(smollm2, SHIPPED_HEAD, **args)
+    assert logs == []  # read from the cache, nothing replayed
+    assert fresh and [r.input_ids for r in fresh] == [r.input_ids for r in cached]
+    for a, b in zip(fresh, cached):
+        assert np.array_equal(a.aux_hidden, b.aux_hidden) and np.array_equal(a.final_hidden, b.final_hidden)
