@@ -59,6 +59,9 @@ class HeadBinding:
     lossless: str = "exact"
     calibration_source: str = "prior"  # "cache" | "head.json" | "prior"
     gate: DraftGate = field(default_factory=DraftGate)  # does drafting with this head pay on this machine?
+    # the same head for reading a prompt, where the target prefills with another model (Target.prefill_model):
+    # in that model's dtype, faster at a prompt's many rows than the packed head (prepare_head); None: `head` reads it
+    prompt_head: Eagle3DraftHead | None = None
 
     @property
     def key(self) -> str | None:
@@ -85,15 +88,18 @@ def check_head(head: Eagle3DraftHead, target: Target) -> None:
             raise HeadRefused(f"head weight {name} has non-finite values")
 
 
-def prepare_head(head: Eagle3DraftHead, target: Target, adopt: bool = False) -> Eagle3DraftHead:
+def prepare_head(head: Eagle3DraftHead, target: Target, adopt: bool = False, prompt: bool = False) -> Eagle3DraftHead:
     """`head` ready to draft for `target`: on its device, in its compute dtype, reading the target's own
     input embedding (shared, never copied), with the head's linears fp16-packed when the target runs
     that way (cpu_linear.py). A copy, leaving the caller's head untouched, unless `adopt`: the caller
     hands the head over (one loaded for this engine alone, as a server's swap does) and it is prepared
-    in place, so a hot swap does not copy every weight once more while requests decode."""
-    embed = target.input_embeddings()
-    packed = target.compute.endswith("fp16-weights")
-    dtype = torch.float32 if packed else target.dtype
+    in place, so a hot swap does not copy every weight once more while requests decode.
+    prompt: the copy that reads prompts where the target prefills with another model (Target.prefill_model):
+    in that model's dtype and reading its embedding, never packed (HeadBinding.prompt_head)."""
+    model = target.prefill_model if prompt else target.model
+    embed = model.get_input_embeddings().weight
+    packed = not prompt and target.compute.endswith("fp16-weights")
+    dtype = torch.float32 if packed else next(model.parameters()).dtype
     if adopt:
         prepared = head
         prepared.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
@@ -191,6 +197,8 @@ def make_binding(head: Eagle3DraftHead | None, version: str | None, target: Targ
     if head is None:
         return HeadBinding(None, None, compute=target.compute, lossless=label)
     check_head(head, target)
+    # the prompt reader is copied first: an adopted head is prepared (packed) in place
+    prompt_head = prepare_head(head, target, prompt=True) if reads_prompts_apart(target) else None
     prepared = prepare_head(head, target, adopt)
     calibration, source = None, "prior"
     if version:
@@ -200,4 +208,11 @@ def make_binding(head: Eagle3DraftHead | None, version: str | None, target: Targ
     if calibration is not None:  # carried over from other traffic: a head start that live evidence overrules
         calibration = calibration.damped()
     return HeadBinding(prepared, version, calibration or AcceptCalibration(), target.compute, label,
-                       source if calibration is not None else "prior")
+                       source if calibration is not None else "prior", prompt_head=prompt_head)
+
+
+def reads_prompts_apart(target: Target) -> bool:
+    """Whether a head reads prompts with its own copy (HeadBinding.prompt_head): where the target prefills with a
+    model in another dtype than the head drafts in (bf16 prompts, fp16-packed decoding). Drafts only: exactness
+    is the target's, and the copy's keys and values join the drafting head's cache in its dtype."""
+    return target.prefill_model is not None and target.compute.endswith("fp16-weights")

@@ -63,14 +63,26 @@ class HeadFeed:
         self.tokens += tokens
         self.aux.append(aux)
 
-    def root(self, chunk: int | None = None) -> HeadRoot:
+    def root(self, chunk: int | None = None, reader: Eagle3DraftHead | None = None) -> HeadRoot:
         """Feed what is pending (in head calls of at most `chunk` positions: a long prompt's attention mask
-        and activations stay the size of a prefill block) and return the newest position's output."""
+        and activations stay the size of a prefill block) and return the newest position's output.
+        reader: the same head in another dtype to feed with (HeadBinding.prompt_head, faster at a prompt's many
+        rows); its keys and values join the cache in the cache's dtype."""
         if self.tokens:
             aux, step = torch.cat(self.aux), chunk or len(self.tokens)
+            head, cache = reader or self.head, self.cache
+            if head.dtype != cache.keys.dtype:  # a cache of the reader's dtype, copied into ours below
+                cache = DraftKVCache.empty(head.cfg, cache.keys.shape[0], cache.keys.shape[2], head.dtype,
+                                           cache.keys.device)
+                cache.append(self.cache.keys[:, :, :self.cache.length].to(head.dtype),
+                             self.cache.values[:, :, :self.cache.length].to(head.dtype))
             for i in range(0, len(self.tokens), step):
-                self.last = head_extend(self.head, self.cache, self.tokens[i:i + step], aux[i:i + step],
-                                        self.start + i)
+                self.last = head_extend(head, cache, self.tokens[i:i + step], aux[i:i + step], self.start + i)
+            if cache is not self.cache:
+                n = self.cache.length
+                self.cache.append(cache.keys[:, :, n:cache.length].to(self.head.dtype),
+                                  cache.values[:, :, n:cache.length].to(self.head.dtype))
+                self.last = HeadRoot(self.last.hidden.to(self.head.dtype), self.last.logprobs)
             self.tokens, self.aux = [], []
         return self.last
 

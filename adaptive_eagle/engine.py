@@ -415,9 +415,11 @@ class SpeculativeEngine:
                 yield StepOutput(out.token_ids, out.text)
             if out.finish is not None:
                 break
-            t_step = time.perf_counter()
             speculate = self._speculates(state)
             head_ok = speculate and self._head_pays(state)
+            if head_ok and state.feed is not None and not state.feed.cache.length:
+                self._read_prompt(state)
+            t_step = time.perf_counter()
             proposal = self._draft(state, head_ok) if speculate else PLAIN_STEP
             bits = None
             if state.constraint is not None:  # drafts the grammar refuses pruned; every row's mask (grammar.py)
@@ -432,9 +434,16 @@ class SpeculativeEngine:
             out = state.stops.commit(accepted.tokens)
         yield from self._finish(state)
 
+    def _read_prompt(self, state: DecodeState) -> None:
+        """The head reads the prompt (with the binding's prompt reader where there is one), in chunks of a prefill
+        block: after the first token is out, so that the first token waits for the target's prefill alone, and
+        only when the head is about to draft, so that a request that never drafts with it never pays for it; out
+        of the step's timing, which the cost model learns a step's cost from."""
+        state.feed.root(self.config.prefill_block, state.binding.prompt_head)
+
     def _prefill(self, request: GenerationRequest, text: bool) -> tuple[DecodeState, Committed]:
-        """The prompt through the target (in blocks, _prefill_blocks), its first token sampled, the head fed the
-        prompt (in blocks of the same size)."""
+        """The prompt through the target (in blocks, _prefill_blocks), its first token sampled, the prompt queued
+        for the head (_read_prompt)."""
         prompt_ids = self.encode(request.prompt)
         self.check_request(len(prompt_ids), request.sampling)
         binding = request.binding or self._binding  # this request drafts, calibrates and reports with this head
@@ -455,8 +464,7 @@ class SpeculativeEngine:
         feed = None
         if binding.head is not None:
             feed = HeadFeed.empty(binding.head, n + 64, self.device)
-            feed.add(prompt_ids[1:] + [first], aux, 0)
-            feed.root(self.config.prefill_block)  # the head reads the prompt now: its cost is the prefill's
+            feed.add(prompt_ids[1:] + [first], aux, 0)  # the head reads it once the first token is out (_run)
         stream = TextStream(self.detokenize, request.stop) if text or request.stop else None
         state = DecodeState(request, binding, prompt_ids, cache, need_aux, feed,
                             StopCheck(self.eos_ids, request.sampling.max_tokens, stream), t0, generated=[first],

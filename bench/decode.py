@@ -388,7 +388,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--workload", choices=[*WORKLOADS, "all"], action="append",
-                    help="repeatable; default: all four")
+                    help="repeatable; default: all five")
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--num-draft-tokens", type=int, default=16)

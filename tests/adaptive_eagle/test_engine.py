@@ -305,3 +305,28 @@ def test_a_request_that_speculation_slows_decodes_plainly_with_the_same_tokens(m
     assert len(seen) == len(res.steps) and all(ms > 0 for _, _, ms in seen)
     sizes = [s.tree_size for s in res.steps]
     assert all((q == 0) == (i % 3 != 0) for i, q in enumerate(sizes))  # declined steps drafted nothing
+
+
+def test_the_first_token_waits_for_the_target_alone_and_a_request_that_never_drafts_never_feeds_the_head(
+        monkeypatch):
+    """The head reads the prompt after the first token is out (engine._read_prompt), not before it; a request
+    that ends at its first token never runs the head; greedy output is plain greedy output either way."""
+    import adaptive_eagle.drafting as drafting
+
+    target, head = tiny_setup(seed=4)
+    engine = SpeculativeEngine(target, head, EngineConfig(depth=3, topk=2, num_draft_tokens=6, cost_aware=False,
+                                                          prompt_lookup=False, suffix_drafting=False,
+                                                          calibration_dir=""))
+    engine.eos_ids = set()
+    calls = []
+    real = drafting.head_extend
+    monkeypatch.setattr(drafting, "head_extend", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    prompt = [3, 9, 14, 2, 7, 7, 20, 11]
+    stream = engine.stream(prompt, SamplingParams(max_tokens=12))
+    first, _ = next(stream)
+    assert len(first) == 1 and calls == []
+    out = first + [t for toks, _ in stream for t in toks]
+    assert calls[0] == len(prompt)  # the whole prompt (and the first token's position), in one chunk here
+    assert out == plain_greedy(target, prompt, 12)
+    calls.clear()
+    assert engine.generate(prompt, SamplingParams(max_tokens=1)).token_ids == out[:1] and calls == []

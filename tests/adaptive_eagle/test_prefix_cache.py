@@ -144,3 +144,36 @@ def test_a_faster_prefill_model_starts_plain_and_speculative_decoding_from_the_s
         ref = DynamicCache()
         fast(input_ids=torch.tensor([prompts[1][:BLOCK]]), past_key_values=ref, use_cache=True)
     assert torch.equal(cache.layers[0].keys[..., :BLOCK, :], ref.layers[0].keys.float())
+
+
+def test_where_prompts_prefill_in_bf16_a_packed_head_reads_them_with_a_bf16_copy_and_stays_exact():
+    """fp16-packed decoding with bf16 prefill: the binding carries a bf16 copy of the head that reads prompts
+    (binding.prompt_head, reading the prefill model's embedding); the drafting head stays packed fp32; greedy
+    speculative output is plain greedy output token for token; without a prefill model there is no copy."""
+    import dataclasses
+
+    from adaptive_eagle.cpu_linear import Fp16PackedLinear, fbgemm_fp16_available
+
+    if not fbgemm_fp16_available():
+        pytest.skip("this PyTorch build has no FBGEMM fp16 linear")
+    base, head = tiny_setup(seed=5, dtype=torch.float32)
+    fast = tiny_target(seed=5, dtype=torch.bfloat16, vocab_size=32, num_layers=6, initializer_range=0.15).model
+    target = dataclasses.replace(base, prefill_model=fast, compute="float32+fp16-weights")
+    cfg = EngineConfig(depth=4, topk=4, num_draft_tokens=12, cost_aware=False, prefill_block=BLOCK,
+                       calibration_dir="", prompt_lookup=False, suffix_drafting=False)
+    spec, plain = SpeculativeEngine(target, head, cfg), SpeculativeEngine(target, None, cfg)
+    b = spec.binding
+    assert b.prompt_head is not None and b.prompt_head.dtype == torch.bfloat16 and b.head.dtype == torch.float32
+    assert isinstance(b.head.fc, Fp16PackedLinear) and isinstance(b.prompt_head.fc, torch.nn.Linear)
+    assert b.prompt_head.embed_tokens.weight.data_ptr() == fast.get_input_embeddings().weight.data_ptr()
+    assert b.head.embed_tokens.weight.data_ptr() == target.input_embeddings().data_ptr()
+    g = torch.Generator().manual_seed(4)
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    accepts = []
+    for n in (20, 41, 57):
+        ids = torch.randint(3, 32, (n,), generator=g).tolist()
+        res = spec.generate(ids, sp)
+        assert res.token_ids == plain.generate(ids, sp).token_ids
+        accepts.append(res.accept_length_mean)
+    assert max(accepts) > 1.0  # the head drafted, from the cache the bf16 copy filled
+    assert SpeculativeEngine(base, head, cfg).binding.prompt_head is None
