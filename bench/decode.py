@@ -21,7 +21,10 @@ schemas and JSON mode, `bench/workloads.json_prompts`; every row constrained by 
 through adaptive_eagle/grammar.py and HF generate() through xgrammar's own HF logits processor; the engine's
 mask time per output token is reported). Each
 engine row owns its engine (its own suffix index) and engines are built afresh per workload;
-calibration persistence is off, so rows do not feed each other and runs repeat.
+calibration persistence is off, so rows do not feed each other and runs repeat. Every request prefills
+cold, as HF's rows do: an engine row's prefix cache is emptied before each request, so time to first token
+compares cold prefills; what the prefix cache saves on a session's later turn is measured apart ("sessions
+prefill").
 
 Mismatches: every row's output is compared token for token with plain greedy output of this engine
 in the SAME compute mode; rows in an inexact mode (bf16, fp16) are also compared with the plain
@@ -128,6 +131,7 @@ class Row:
 def _engine_run(engine: SpeculativeEngine):
     def run(ids, max_new, fmt=None):
         grammar = engine.grammar(fmt) if fmt is not None else None  # compiled once per format (cached)
+        engine.prefix_cache.clear()  # a cold prefill, as HF's; the prefix cache is measured apart
         t0, first, res = time.perf_counter(), None, None
         for toks, res in engine.stream(ids, SamplingParams(max_tokens=max_new), grammar=grammar):
             if toks and first is None:
