@@ -75,8 +75,9 @@ test-loaded: setup redis-server prometheus sglang-wheel
 
 # between edits: the suite without the slow tests (the real SmolLM2 target, Ray, real data; tests/conftest.py marks
 # every test that takes the smollm2 or ray_session fixture), Redis started, at most 120 s a test
-test-fast: setup redis-server
-	ops/scripts/with-redis.sh $(PY) -m pytest -q -m "not slow" --timeout 120 $(PYTEST_ARGS)
+test-fast: setup redis-server prometheus sglang-wheel
+	SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-redis.sh $(PY) -m pytest -q -m "not slow" --timeout 120 \
+	  $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/train.py --quick

@@ -30,7 +30,8 @@ def smollm2_tokenizer(smollm2):
 def ray_session():
     """One local Ray instance for the whole test session (starting Ray costs ~3 s and ~1 GiB here).
     Tests that need Ray take this fixture; none of them calls ray.init/shutdown itself."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     # workers at normal priority, as the stack starts them (Ray's default niceness 15 starves actors whenever
     # another job shares the machine, and the tests would measure that instead of what they check)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,

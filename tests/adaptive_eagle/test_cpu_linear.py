@@ -5,12 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from adaptive_eagle.cpu_linear import Fp16PackedLinear, fbgemm_fp16_available, pack_linears
+from adaptive_eagle.cpu_linear import Fp16PackedLinear, pack_linears
 from adaptive_eagle.engine import EngineConfig, SpeculativeEngine
 from adaptive_eagle.targets import default_dtype, tiny_target
 from adaptive_eagle.trace import SamplingParams
-
-pytestmark = pytest.mark.skipif(not fbgemm_fp16_available(), reason="no FBGEMM fp16 linear in this build")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])

@@ -152,10 +152,8 @@ def test_where_prompts_prefill_in_bf16_a_packed_head_reads_them_with_a_bf16_copy
     speculative output is plain greedy output token for token; without a prefill model there is no copy."""
     import dataclasses
 
-    from adaptive_eagle.cpu_linear import Fp16PackedLinear, fbgemm_fp16_available
+    from adaptive_eagle.cpu_linear import Fp16PackedLinear
 
-    if not fbgemm_fp16_available():
-        pytest.skip("this PyTorch build has no FBGEMM fp16 linear")
     base, head = tiny_setup(seed=5, dtype=torch.float32)
     fast = tiny_target(seed=5, dtype=torch.bfloat16, vocab_size=32, num_layers=6, initializer_range=0.15).model
     target = dataclasses.replace(base, prefill_model=fast, compute="float32+fp16-weights")

@@ -22,9 +22,13 @@ pytestmark = pytest.mark.slow  # real redis-servers and Prometheus under injecte
 
 ALERTS = Path(__file__).resolve().parents[2] / "ops" / "alerts.yml"
 DEADLINE_S = 20.0  # generous: a verdict never depends on how fast this machine is
-needs_prometheus = pytest.mark.skipif(
-    shutil.which("prometheus") is None or shutil.which("promtool") is None,
-    reason="prometheus is not installed: `make prometheus` installs it (apt-get install -y prometheus)")
+
+
+def require_prometheus() -> None:
+    """Prometheus and promtool, which `make test` installs: a test that needs them fails without them."""
+    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+        pytest.fail("prometheus is not installed: `make prometheus` installs it (apt-get install -y prometheus)",
+                    pytrace=False)
 
 
 def gone(pid: int) -> bool:
@@ -233,8 +237,8 @@ def one_rule(tmp_path: Path, expr: str = "chaos_test_gauge > 0", for_: str = "20
     return path
 
 
-@needs_prometheus
 def test_prometheus_sees_the_alert_fire(tmp_path, metrics_target):
+    require_prometheus()
     with Prometheus(metrics_target, one_rule(tmp_path), for_scale=0.05, bearer_token=TOKEN) as prom:  # 20s -> 1s
         assert yaml.safe_load((prom.dir / "rules.yml").read_text())["groups"][0]["rules"][0]["for"] == "1s"
         prom.watch(every_s=0.5)
@@ -252,8 +256,8 @@ def test_prometheus_sees_the_alert_fire(tmp_path, metrics_target):
     assert gone(pid) and prom.pid is None
 
 
-@needs_prometheus
 def test_ops_alerts_scaled_pass_promtool_and_a_bad_rule_is_refused(tmp_path, metrics_target):
+    require_prometheus()
     bad = one_rule(tmp_path, expr="sum(chaos_test_gauge")
     with pytest.raises(ChaosError, match="promtool check rules"):
         Prometheus(metrics_target, bad, workdir=tmp_path / "bad").start()

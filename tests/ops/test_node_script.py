@@ -14,13 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.autoscaler._private import command_runner  # Ray's own SSH command wrapping
 
 REPO = Path(__file__).resolve().parents[2]
 OPS = REPO / "ops"
 NODE_SH = OPS / "scripts" / "node.sh"
 NODE_IP = "127.0.0.9"  # nothing on this machine runs with this --node-ip-address
-
-command_runner = pytest.importorskip("ray.autoscaler._private.command_runner")
 
 
 def ray_wrapped(cmd: str, env_vars: dict | None = None) -> list[str]:

@@ -12,9 +12,10 @@ OPS = Path(__file__).resolve().parents[2] / "ops"
 
 
 def test_cluster_yaml_validates_against_rays_schema():
-    jsonschema = pytest.importorskip("jsonschema")
-    ray = pytest.importorskip("ray")
     import json
+
+    import jsonschema
+    import ray
 
     schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
     cluster = yaml.safe_load((OPS / "cluster.yaml").read_text())
@@ -77,9 +78,10 @@ def test_the_local_cluster_runs_the_cloud_clusters_node_script_and_a_valid_stack
     ops/cluster.yaml, per step, so the cloud file cannot drift from the one that runs here; its stack config is
     a valid StackConfig whose replicas need the workers' resource and whose trainer needs the head's; as prod, two
     replicas, one on each of two worker nodes."""
-    jsonschema = pytest.importorskip("jsonschema")
-    ray = pytest.importorskip("ray")
     import json
+
+    import jsonschema
+    import ray
 
     from loop.config import load_stack_config
 
@@ -153,12 +155,11 @@ def test_alert_rules_read_metrics_the_gateway_exports_and_each_has_a_runbook_sec
 
 def test_alert_rules_pass_promtool_and_replica_down_pages_for_the_replica_that_is_down(tmp_path):
     """promtool parses every rule, and ReplicaDown fires, with the replica's name, only after a minute down."""
-    import shutil
     import subprocess
 
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed (Debian/Ubuntu: apt-get install prometheus)")
+    from tests.ops.test_alerts import promtool_path
+
+    promtool = promtool_path()
     alerts = str(OPS / "alerts.yml")
     check = subprocess.run([promtool, "check", "rules", alerts], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr

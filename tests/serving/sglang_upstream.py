@@ -2,9 +2,9 @@
 never imported or installed). The contract tests compare the project's SGLang backend with it.
 
 Where the wheel comes from: `make sglang-wheel` downloads it (`pip download --no-deps`) into
-.cache/wheels/, and `make test` exports SGLANG_WHEEL=<that directory>. With SGLANG_WHEEL set, a missing
-wheel is an error (the contract tests fail); without it (pytest run by hand), the default directory is
-tried and, when it holds no wheel, the tests are skipped with the command that fetches it.
+.cache/wheels/, and `make test`, `make test-fast` and `make test-loaded` export SGLANG_WHEEL=<that directory>.
+Without SGLANG_WHEEL (pytest run by hand) the default directory is read. A missing wheel is an error either
+way: the contract tests fail with the command that fetches it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ FETCH = "make sglang-wheel"
 
 
 def wheel_path() -> Path:
-    """The 0.5.23 wheel; pytest.fail when make asked for it and it is missing, pytest.skip otherwise."""
+    """The 0.5.23 wheel; pytest.fail, naming the command that fetches it, when it is missing."""
     given = os.environ.get("SGLANG_WHEEL")
     where = Path(given) if given else DEFAULT_DIR
     found = sorted(where.glob(f"sglang-{VERSION}-*.whl")) if where.is_dir() else ([where] if where.is_file() else [])
@@ -33,7 +33,7 @@ def wheel_path() -> Path:
         return found[0]
     if given:
         pytest.fail(f"SGLANG_WHEEL={given} holds no sglang-{VERSION} wheel; `{FETCH}` downloads it", pytrace=False)
-    pytest.skip(f"no sglang-{VERSION} wheel in {where}: run `{FETCH}` (make test fetches it and requires it)")
+    pytest.fail(f"no sglang-{VERSION} wheel in {where}: `{FETCH}` downloads it (make test fetches it)", pytrace=False)
 
 
 def _literal(node):

@@ -106,13 +106,10 @@ def test_swap_and_canary_preparation_run_below_the_decode_threads_priority(stack
     """A swap's work (read, check, prepare the head) runs on the replica's swap thread, niced, so it takes
     the cores decoding leaves idle; decoding keeps the process's priority."""
     import os
-    import sys
     import threading
 
     from serving.server import PREPARE_NICE
 
-    if not sys.platform.startswith("linux"):
-        pytest.skip("per-thread priorities are a Linux feature")
     server = stack.server("v1", "solo")
     seen = {}
     backend = server.backend
