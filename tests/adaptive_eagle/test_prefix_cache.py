@@ -175,3 +175,24 @@ def test_where_prompts_prefill_in_bf16_a_packed_head_reads_them_with_a_bf16_copy
         accepts.append(res.accept_length_mean)
     assert max(accepts) > 1.0  # the head drafted, from the cache the bf16 copy filled
     assert SpeculativeEngine(base, head, cfg).binding.prompt_head is None
+
+
+def test_a_prefill_runs_the_lm_head_once_on_its_last_row_as_a_matrix():
+    """The blocks before the prompt's last compute no logits, and the last block's LM head gets its last row as a
+    [1, H] matrix: the [1, 1, H] view HF's logits_to_keep hands it makes CPU kernels copy the whole transposed
+    weight at every call (46 ms for SmolLM2 in bf16). The logits are the full forward's last row."""
+    target = tiny_target(seed=5, dtype=torch.float32, vocab_size=64, num_layers=4)
+    cfg = EngineConfig(prefill_block=BLOCK, prompt_lookup=False, suffix_drafting=False, calibration_dir="",
+                       prefix_cache_mb=0)
+    engine = SpeculativeEngine(target, None, cfg)
+    calls = []
+    hook = target.model.get_output_embeddings().register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+    ids = torch.randint(3, 64, (3 * BLOCK + 5,), generator=torch.Generator().manual_seed(0)).tolist()
+    try:
+        logits, _, _, _ = _prefill(engine, ids, aux=True, final=False)
+    finally:
+        hook.remove()
+    assert calls == [torch.Size([1, target.config.hidden_size])]
+    with torch.inference_mode():
+        full = target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
+    assert logits.shape == (1, 64) and torch.allclose(logits, full, atol=1e-5)
