@@ -307,8 +307,8 @@ class SpeculativeEngine:
               "output_hidden_states": aux or final, "position_ids": positions[None].to(self.device)}
         if mask is not None:
             kw["attention_mask"] = mask.to(self.device)
-        if logits == "last" and not split and self._keep_kw:
-            kw["logits_to_keep"] = 1
+        if logits != "all" and not split and self._keep_kw:
+            kw["logits_to_keep"] = 1  # "none" still computes the last row's here: the least such a model allows
         out = (model.get_decoder() if split else model)(input_ids=x, **kw)
         if not split:
             rows = out.logits[0] if logits != "none" else None

@@ -196,3 +196,6 @@ def test_a_prefill_runs_the_lm_head_once_on_its_last_row_as_a_matrix():
     with torch.inference_mode():
         full = target.model(input_ids=torch.tensor([ids])).logits[0, -1:]
     assert logits.shape == (1, 64) and torch.allclose(logits, full, atol=1e-5)
+    engine._split_head = False  # an architecture outside SPLIT_HEAD_TYPES: the whole model, logits_to_keep=1
+    other, _, _, _ = _prefill(engine, ids, aux=True, final=False)
+    assert other.shape == (1, 64) and torch.allclose(other, full, atol=1e-5)
