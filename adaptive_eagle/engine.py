@@ -64,13 +64,11 @@ class GenerationError(ValueError):
 
 
 def _head_splits(model) -> bool:
-    """Whether `model` computes logits as lm_head(decoder(x).last_hidden_state) and nothing more (no logit
-    softcapping or scaling), so that a forward may run the decoder alone and the head on chosen rows."""
-    cfg = model.config
-    scaled = any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
-                                                                       "logits_scaling", "output_multiplier_scale"))
-    return (not scaled and hasattr(model, "get_decoder") and model.get_decoder() is not model
-            and model.get_output_embeddings() is not None and getattr(cfg, "model_type", "") in SPLIT_HEAD_TYPES)
+    """Whether `model` computes logits as lm_head(decoder(x).last_hidden_state) and nothing more (an architecture
+    of SPLIT_HEAD_TYPES: no logit softcapping or scaling), so that a forward may run the decoder alone and the
+    head on chosen rows."""
+    return (getattr(model.config, "model_type", "") in SPLIT_HEAD_TYPES and hasattr(model, "get_decoder")
+            and model.get_decoder() is not model and model.get_output_embeddings() is not None)
 
 
 def _cache_kwarg(model) -> str:
