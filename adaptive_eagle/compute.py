@@ -56,7 +56,7 @@ PROBE_SIZES = (1, 2, 4, 8, 16, 17)
 PROBE_PREFIX = 64
 # what limits PyTorch's, oneDNN's and FBGEMM's kernels to an instruction set below the CPU's
 ISA_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
-TABLE_SCHEME = 3  # 2: each mode's row-stability check and verify residual; 3: a prefill block's cost (`prefill_ms`)
+TABLE_SCHEME = 4  # 2: row-stability check and verify residual; 3: a prefill block's cost; 4: threaded fp16 linears
 PREFILL_ROWS = 256  # rows of the prefill forward timed per mode (EngineConfig.prefill_block's default)
 DRAFT_FRACTION = 0.25  # drafting ms per step / one-token forward ms (~10 / 37 ms measured on an AVX2 CPU)
 

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_eagle.cpu_linear import (MAX_ROWS, StableRows, _probe_rows, raw_rows, row_plan,
-                                       stable_apply, stable_rows, stabilize_linears)
+from adaptive_eagle import cpu_linear
+from adaptive_eagle.cpu_linear import (MAX_ROWS, THREADED_ROWS, Fp16PackedLinear, StableRows, _probe_rows, raw_rows,
+                                       row_plan, stable_apply, stable_rows, stabilize_linears)
 from adaptive_eagle.compute import rows_stable, verify_logit_diff
 from adaptive_eagle.targets import tiny_target
 
@@ -95,7 +96,50 @@ def test_a_stable_rows_probe_is_made_once_per_kernel_shape_and_thread_count():
         stable_rows("bf16", 32, 24, 1)
 
 
-AVX2_PROBE = textwrap.dedent("""
+THREADED_VS_SINGLE = textwrap.dedent("""
+    def threaded_vs_single(shapes, threads=(1, 2)):
+        # (out, in, threads, rows) where the threaded fp16 kernel's bits differ from the single-thread one's
+        import torch
+        from adaptive_eagle import cpu_linear
+        g, bad, prev = torch.Generator().manual_seed(5), [], torch.get_num_threads()
+        for n, k in shapes:
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16().float()
+            bias, x = torch.randn(n, generator=g), torch.randn(cpu_linear.MAX_ROWS, k, generator=g)
+            packed, threaded = torch.fbgemm_pack_gemm_matrix_fp16(w), cpu_linear._fp16_threaded_pack(w, bias)
+            for t in threads:
+                torch.set_num_threads(t)
+                for m in range(1, cpu_linear.MAX_ROWS + 1):
+                    one = torch.fbgemm_linear_fp16_weight_fp32_activation(x[:m], packed, bias)
+                    if not torch.equal(one, torch.ops.quantized.linear_dynamic_fp16(x[:m], threaded)):
+                        bad.append((n, k, t, m))
+        torch.set_num_threads(prev)
+        return bad
+""")
+MODEL_SHAPES = ((192, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576))  # SmolLM2-135M's linears
+exec(THREADED_VS_SINGLE)
+
+
+def test_the_threaded_fp16_kernel_gives_the_single_thread_kernels_bits_and_serves_verify_sized_calls(monkeypatch):
+    """Verify forwards (THREADED_ROWS rows and more) run FBGEMM's fp16 kernel over both cores, plain decoding's
+    one-row steps the single-thread call: greedy stays exact only if both give the same bits at every row count
+    and thread count (the AVX2 kernels: the subprocess test below)."""
+    assert cpu_linear.threaded_fp16_available()  # x86 PyTorch builds have it: losing it loses verify's second core
+    assert threaded_vs_single(MODEL_SHAPES) == []
+    lin = Fp16PackedLinear(torch.nn.Linear(64, 96).bfloat16())
+    called = []
+    real = cpu_linear.fp16_matmul
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch.ops.quantized, "linear_dynamic_fp16",
+                        lambda x, w: called.append(x.shape[0]) or torch.zeros(x.shape[0], 96))
+    for m in (1, THREADED_ROWS - 1, THREADED_ROWS, 17):
+        real(torch.randn(m, 64), lin._packed, lin._threaded, lin.bias)
+    assert called == [THREADED_ROWS, 17]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one thread: the single-thread kernel only
+    real(torch.randn(17, 64), lin._packed, lin._threaded, lin.bias)
+    assert called == [THREADED_ROWS, 17]
+
+
+AVX2_PROBE = THREADED_VS_SINGLE + textwrap.dedent("""
     import json, torch
     from adaptive_eagle import cpu_linear
     from adaptive_eagle.compute import rows_stable
@@ -121,6 +165,7 @@ AVX2_PROBE = textwrap.dedent("""
     everything = cpu_linear.StableRows(tuple(range(1, cpu_linear.MAX_ROWS + 1)))
     cpu_linear.stable_rows = lambda *a: everything  # the raw kernels, as before rows were made stable
     out["model_rows_stable_raw"] = rows_stable(target.model)
+    out["threaded_differs"] = threaded_vs_single(((192, 576), (1536, 576), (576, 1536), (4096, 576)))
     print(json.dumps(out))
 """)
 
@@ -136,3 +181,4 @@ def test_fbgemm_avx2_kernels_are_row_stable_through_the_packed_linear_and_the_mo
     assert out["packed_rows_equal"], out
     assert out["model_rows_stable"], out
     assert not out["model_rows_stable_raw"], out  # the check sees the raw kernels' difference
+    assert out["threaded_differs"] == [], out  # the threaded kernel keeps the AVX2 kernels' bits too
