@@ -29,8 +29,8 @@ costs 3x a one-token step. The quantized engine's fp16 dynamic linear runs the s
 PyTorch's intra-op threads, and computes the same bits (checked at start, `threaded_fp16_available`, and for
 every row count 1..48 at 1 and 2 threads, on AVX-512 and FBGEMM's AVX2 kernels, in tests). It costs ~10 us more
 a call, so a packed linear calls it from THREADED_ROWS rows on and the single-thread kernel below. Measured on
-the 2-core EPYC (SmolLM2-135M forward over 120 cached tokens, medians): 4 rows 28.6 -> 26.1 ms, 8 rows 39 -> 33,
-16 rows 64 -> 50-52; one row unchanged. The price is a second packed copy of each weight (2 bytes a weight).
+the 2-core EPYC (SmolLM2-135M forward over 120 cached tokens): 8 rows 40-42 -> 35-36 ms, 17 rows 68-70 -> 51-54;
+1 and 2 rows unchanged. The price is a second packed copy of each weight (2 bytes a weight).
 """
 
 from __future__ import annotations
