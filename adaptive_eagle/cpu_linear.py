@@ -77,17 +77,24 @@ def _fp16_threaded_pack(w: torch.Tensor, bias: torch.Tensor | None):
 def threaded_fp16_available() -> bool:
     """Whether this build has the quantized engine's fp16 dynamic linear and it gives what the single-thread
     FBGEMM fp16 linear gives, bit for bit, bias included (a small case at every row count up to 8 here; tests
-    check the model's shapes at every count up to MAX_ROWS)."""
+    check the model's shapes at every count up to MAX_ROWS). Where it is missing or differs, verify forwards run
+    on one thread, with a warning saying why."""
     if not fbgemm_fp16_available():
         return False
     try:
         g = torch.Generator().manual_seed(3)
         w, b, x = torch.randn(40, 24, generator=g), torch.randn(40, generator=g), torch.randn(8, 24, generator=g)
         packed, threaded = torch.fbgemm_pack_gemm_matrix_fp16(w), _fp16_threaded_pack(w, b)
-        return all(torch.equal(torch.fbgemm_linear_fp16_weight_fp32_activation(x[:m], packed, b),
+        same = all(torch.equal(torch.fbgemm_linear_fp16_weight_fp32_activation(x[:m], packed, b),
                                torch.ops.quantized.linear_dynamic_fp16(x[:m], threaded)) for m in range(1, 9))
-    except (AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError) as e:
+        warnings.warn(f"fp16-weight linears run on one thread: this PyTorch build has no usable quantized fp16 "
+                      f"linear ({type(e).__name__}: {e}); multi-row verify forwards cost more", stacklevel=2)
         return False
+    if not same:
+        warnings.warn("fp16-weight linears run on one thread: the quantized fp16 linear's bits differ from the "
+                      "single-thread FBGEMM linear's here, so mixing them would break greedy exactness", stacklevel=2)
+    return same
 
 
 def fp16_matmul(x: torch.Tensor, packed: torch.Tensor, threaded, bias: torch.Tensor) -> torch.Tensor:

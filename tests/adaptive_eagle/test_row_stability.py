@@ -139,6 +139,21 @@ def test_the_threaded_fp16_kernel_gives_the_single_thread_kernels_bits_and_serve
     assert called == [THREADED_ROWS, 17]
 
 
+def test_a_threaded_kernel_with_other_bits_is_refused_loudly(monkeypatch):
+    real = torch.ops.quantized.linear_dynamic_fp16
+    monkeypatch.setattr(torch.ops.quantized, "linear_dynamic_fp16",
+                        lambda x, w: torch.nextafter(real(x, w), torch.tensor(float("inf"))))
+    cpu_linear.threaded_fp16_available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="bits differ"):
+            assert not cpu_linear.threaded_fp16_available()
+        assert Fp16PackedLinear(torch.nn.Linear(64, 96))._threaded is None  # the single-thread kernel only
+    finally:
+        monkeypatch.undo()
+        cpu_linear.threaded_fp16_available.cache_clear()
+    assert cpu_linear.threaded_fp16_available()
+
+
 AVX2_PROBE = THREADED_VS_SINGLE + textwrap.dedent("""
     import json, torch
     from adaptive_eagle import cpu_linear
