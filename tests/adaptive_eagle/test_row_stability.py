@@ -97,7 +97,7 @@ def test_a_stable_rows_probe_is_made_once_per_kernel_shape_and_thread_count():
 
 
 THREADED_VS_SINGLE = textwrap.dedent("""
-    def threaded_vs_single(shapes, threads=(1, 2)):
+    def threaded_vs_single(shapes, threads=(1, 2, 4)):
         # (out, in, threads, rows) where the threaded fp16 kernel's bits differ from the single-thread one's
         import torch
         from adaptive_eagle import cpu_linear
@@ -122,7 +122,7 @@ exec(THREADED_VS_SINGLE)
 def test_the_threaded_fp16_kernel_gives_the_single_thread_kernels_bits_and_serves_verify_sized_calls(monkeypatch):
     """Verify forwards (THREADED_ROWS rows and more) run FBGEMM's fp16 kernel over both cores, plain decoding's
     one-row steps the single-thread call: greedy stays exact only if both give the same bits at every row count
-    and thread count (the AVX2 kernels: the subprocess test below)."""
+    and thread count (1, 2 and 4 threads, as prod.yaml gives a replica; the AVX2 kernels: the subprocess test below)."""
     assert cpu_linear.threaded_fp16_available()  # x86 PyTorch builds have it: losing it loses verify's second core
     assert threaded_vs_single(MODEL_SHAPES) == []
     lin = Fp16PackedLinear(torch.nn.Linear(64, 96).bfloat16())
