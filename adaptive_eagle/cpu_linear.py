@@ -27,7 +27,7 @@ Both cores for verify (threaded rows). `fbgemm_linear_fp16_weight_fp32_activatio
 4 rows on it is compute-bound there (~90 GFLOP/s on one core of the 2-core EPYC): a 16-token verify forward
 costs 3x a one-token step. The quantized engine's fp16 dynamic linear runs the same FBGEMM kernel split over
 PyTorch's intra-op threads, and computes the same bits (checked at start, `threaded_fp16_available`, and for
-every row count 1..48 at 1 and 2 threads, on AVX-512 and FBGEMM's AVX2 kernels, in tests). It costs ~10 us more
+every row count 1..48 at 1, 2 and 4 threads, on AVX-512 and FBGEMM's AVX2 kernels, in tests). It costs ~10 us more
 a call, so a packed linear calls it from THREADED_ROWS rows on and the single-thread kernel below. Measured on
 the 2-core EPYC (SmolLM2-135M forward over 120 cached tokens): 8 rows 40-42 -> 35-36 ms, 17 rows 68-70 -> 51-54;
 1 and 2 rows unchanged. The price is a second packed copy of each weight (2 bytes a weight).
@@ -82,11 +82,7 @@ def threaded_fp16_available() -> bool:
     if not fbgemm_fp16_available():
         return False
     try:
-        g = torch.Generator().manual_seed(3)
-        w, b, x = torch.randn(40, 24, generator=g), torch.randn(40, generator=g), torch.randn(8, 24, generator=g)
-        packed, threaded = torch.fbgemm_pack_gemm_matrix_fp16(w), _fp16_threaded_pack(w, b)
-        same = all(torch.equal(torch.fbgemm_linear_fp16_weight_fp32_activation(x[:m], packed, b),
-                               torch.ops.quantized.linear_dynamic_fp16(x[:m], threaded)) for m in range(1, 9))
+        same = not threaded_differs(((40, 24),), (torch.get_num_threads(),), max_rows=8)
     except (AttributeError, RuntimeError) as e:
         warnings.warn(f"fp16-weight linears run on one thread: this PyTorch build has no usable quantized fp16 "
                       f"linear ({type(e).__name__}: {e}); multi-row verify forwards cost more", stacklevel=2)
@@ -95,6 +91,27 @@ def threaded_fp16_available() -> bool:
         warnings.warn("fp16-weight linears run on one thread: the quantized fp16 linear's bits differ from the "
                       "single-thread FBGEMM linear's here, so mixing them would break greedy exactness", stacklevel=2)
     return same
+
+
+def threaded_differs(shapes, threads=(1, 2, 4), max_rows: int = MAX_ROWS, seed: int = 5) -> list[tuple]:
+    """(out, in, threads, rows) at which the threaded fp16 kernel's bits differ from the single-thread kernel's,
+    for random bf16-representable weights of each (out, in) shape, a random bias and every row count up to
+    max_rows (empty: they agree everywhere asked)."""
+    g, bad, prev = torch.Generator().manual_seed(seed), [], torch.get_num_threads()
+    try:
+        for n, k in shapes:
+            w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16().float()
+            bias, x = torch.randn(n, generator=g), torch.randn(max_rows, k, generator=g)
+            packed, threaded = torch.fbgemm_pack_gemm_matrix_fp16(w), _fp16_threaded_pack(w, bias)
+            for t in threads:
+                torch.set_num_threads(t)
+                for m in range(1, max_rows + 1):
+                    one = torch.fbgemm_linear_fp16_weight_fp32_activation(x[:m], packed, bias)
+                    if not torch.equal(one, torch.ops.quantized.linear_dynamic_fp16(x[:m], threaded)):
+                        bad.append((n, k, t, m))
+    finally:
+        torch.set_num_threads(prev)
+    return bad
 
 
 def fp16_matmul(x: torch.Tensor, packed: torch.Tensor, threaded, bias: torch.Tensor) -> torch.Tensor:

@@ -96,27 +96,7 @@ def test_a_stable_rows_probe_is_made_once_per_kernel_shape_and_thread_count():
         stable_rows("bf16", 32, 24, 1)
 
 
-THREADED_VS_SINGLE = textwrap.dedent("""
-    def threaded_vs_single(shapes, threads=(1, 2, 4)):
-        # (out, in, threads, rows) where the threaded fp16 kernel's bits differ from the single-thread one's
-        import torch
-        from adaptive_eagle import cpu_linear
-        g, bad, prev = torch.Generator().manual_seed(5), [], torch.get_num_threads()
-        for n, k in shapes:
-            w = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16().float()
-            bias, x = torch.randn(n, generator=g), torch.randn(cpu_linear.MAX_ROWS, k, generator=g)
-            packed, threaded = torch.fbgemm_pack_gemm_matrix_fp16(w), cpu_linear._fp16_threaded_pack(w, bias)
-            for t in threads:
-                torch.set_num_threads(t)
-                for m in range(1, cpu_linear.MAX_ROWS + 1):
-                    one = torch.fbgemm_linear_fp16_weight_fp32_activation(x[:m], packed, bias)
-                    if not torch.equal(one, torch.ops.quantized.linear_dynamic_fp16(x[:m], threaded)):
-                        bad.append((n, k, t, m))
-        torch.set_num_threads(prev)
-        return bad
-""")
 MODEL_SHAPES = ((192, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576))  # SmolLM2-135M's linears
-exec(THREADED_VS_SINGLE)
 
 
 def test_the_threaded_fp16_kernel_gives_the_single_thread_kernels_bits_and_serves_verify_sized_calls(monkeypatch):
@@ -124,7 +104,7 @@ def test_the_threaded_fp16_kernel_gives_the_single_thread_kernels_bits_and_serve
     one-row steps the single-thread call: greedy stays exact only if both give the same bits at every row count
     and thread count (1, 2 and 4 threads, as prod.yaml gives a replica; the AVX2 kernels: the subprocess test below)."""
     assert cpu_linear.threaded_fp16_available()  # x86 PyTorch builds have it: losing it loses verify's second core
-    assert threaded_vs_single(MODEL_SHAPES) == []
+    assert cpu_linear.threaded_differs(MODEL_SHAPES) == []
     lin = Fp16PackedLinear(torch.nn.Linear(64, 96).bfloat16())
     called = []
     real = cpu_linear.fp16_matmul
@@ -154,7 +134,7 @@ def test_a_threaded_kernel_with_other_bits_is_refused_loudly(monkeypatch):
     assert cpu_linear.threaded_fp16_available()
 
 
-AVX2_PROBE = THREADED_VS_SINGLE + textwrap.dedent("""
+AVX2_PROBE = textwrap.dedent("""
     import json, torch
     from adaptive_eagle import cpu_linear
     from adaptive_eagle.compute import rows_stable
@@ -180,7 +160,7 @@ AVX2_PROBE = THREADED_VS_SINGLE + textwrap.dedent("""
     everything = cpu_linear.StableRows(tuple(range(1, cpu_linear.MAX_ROWS + 1)))
     cpu_linear.stable_rows = lambda *a: everything  # the raw kernels, as before rows were made stable
     out["model_rows_stable_raw"] = rows_stable(target.model)
-    out["threaded_differs"] = threaded_vs_single(((192, 576), (1536, 576), (576, 1536), (4096, 576)))
+    out["threaded_differs"] = cpu_linear.threaded_differs(((192, 576), (1536, 576), (576, 1536), (4096, 576)))
     print(json.dumps(out))
 """)
 
