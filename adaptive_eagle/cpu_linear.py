@@ -93,6 +93,16 @@ def threaded_fp16_available() -> bool:
     return same
 
 
+def verify_threads(compute: str) -> int:
+    """The threads a multi-row target forward computes its linears on, in this process, for a target running in
+    `compute` (Target.compute): fp16-packed weights use PyTorch's intra-op threads only through the threaded
+    kernel (one thread where it is missing or differs); every other mode uses them all. Shown in a replica's
+    status and as ae_replica_verify_threads, so a fallback to one thread is seen, not only warned."""
+    if compute.endswith("fp16-weights") and not threaded_fp16_available():
+        return 1
+    return torch.get_num_threads()
+
+
 def threaded_differs(shapes, threads=(1, 2, 4), max_rows: int = MAX_ROWS, seed: int = 5) -> list[tuple]:
     """(out, in, threads, rows) at which the threaded fp16 kernel's bits differ from the single-thread kernel's,
     for random bf16-representable weights of each (out, in) shape, a random bias and every row count up to

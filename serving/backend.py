@@ -36,6 +36,7 @@ import torch
 
 from adaptive_eagle.allocator import keep_freed_memory
 from adaptive_eagle.binding import HeadBinding, SwapResult
+from adaptive_eagle.cpu_linear import verify_threads
 from adaptive_eagle.engine import GenerationError, SpeculativeEngine
 from adaptive_eagle.request import GenerationRequest, StepOutput
 from adaptive_eagle.pacing import Pacer
@@ -380,7 +381,9 @@ class ReferenceBackend:
     def info(self) -> dict:
         t = self.engine.target
         return {"backend": self.name, "target": t.name, "target_fingerprint": t.fingerprint, "compute": t.compute,
-                "prefill": t.prefill_choice or t.compute, "lossless": t.lossless, "head_version": self.head_version, "engine": asdict(self.engine.config),
+                "prefill": t.prefill_choice or t.compute, "lossless": t.lossless, "head_version": self.head_version,
+                "verify_threads": verify_threads(t.compute) if t.device.type == "cpu" else None,
+                "engine": asdict(self.engine.config),
                 "registry": str(self.registry.root) if self.registry is not None else None,
                 "max_prompt_tokens": self.max_prompt_tokens, "context": t.config.max_position_embeddings,
                 "canary": self._canary.to_json() if self._canary is not None else None,

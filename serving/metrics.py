@@ -219,6 +219,9 @@ class GatewayMetrics:
         self.grammar_failed = Gauge("ae_grammar_failed", "Constrained requests a replica ended because their format "
                                     "could not go on mid-answer (a 400 error event): a schema the model cannot "
                                     "finish within its tokens, or a grammar engine fault", ["replica"], registry=r)
+        self.verify_threads = Gauge("ae_replica_verify_threads", "Threads a replica's multi-row verify forwards "
+                                    "compute on (CPU targets; 1 on a multi-CPU replica: the threaded fp16 kernel is "
+                                    "missing or differs, see its log)", ["replica"], registry=r)
         self.replica_up = Gauge("ae_replica_up", "1 when the replica answered its status at the last scrape, 0 when "
                                 "not (its actor died or is restarting)", ["replica"], registry=r)
         self.replica_failures = Counter("ae_replica_failures", "Requests whose replica failed while serving them "
@@ -302,6 +305,8 @@ class GatewayMetrics:
             self.capture_dropped.labels(s.replica).set(store.get("dropped", s.capture.get("dropped_at_put", 0)))
             self.store_written.labels(s.replica).set(store.get("written", 0))
             self.grammar_failed.labels(s.replica).set(s.grammar_failed)
+            if (s.info or {}).get("verify_threads") is not None:
+                self.verify_threads.labels(s.replica).set(s.info["verify_threads"])
             for reason, n in (store.get("dropped_by_reason") or {}).items():
                 self.capture_dropped_by_reason.labels(s.replica, reason).set(n)
             if store.get("state"):

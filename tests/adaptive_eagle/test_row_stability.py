@@ -128,10 +128,15 @@ def test_a_threaded_kernel_with_other_bits_is_refused_loudly(monkeypatch):
         with pytest.warns(UserWarning, match="bits differ"):
             assert not cpu_linear.threaded_fp16_available()
         assert Fp16PackedLinear(torch.nn.Linear(64, 96))._threaded is None  # the single-thread kernel only
+        # a replica shows it (status, ae_replica_verify_threads): fp16 weights fall back to one thread, others not
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+        assert cpu_linear.verify_threads("float32+fp16-weights") == 1
+        assert cpu_linear.verify_threads("bfloat16") == 4
     finally:
         monkeypatch.undo()
         cpu_linear.threaded_fp16_available.cache_clear()
     assert cpu_linear.threaded_fp16_available()
+    assert cpu_linear.verify_threads("float32+fp16-weights") == torch.get_num_threads()
 
 
 AVX2_PROBE = textwrap.dedent("""

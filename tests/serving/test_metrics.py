@@ -2,6 +2,8 @@
 them. The writer is real; its store is a stand-in that refuses every write, as Redis does under maxmemory.
 Acceptance by context length: each verify step in the bucket of its first draft's position, six labels at most."""
 
+import torch
+
 from feature_store.backend import StoreRejected
 from feature_store.config import StoreConfig
 from feature_store.writer import StoreWriter
@@ -212,6 +214,9 @@ def test_a_response_splits_its_prefill_from_its_decoding_and_the_prefix_cache_is
     assert sample(text, "ae_plain_steps_total", head_version="v1") == again.spec.plain_steps
     assert sample(text, "ae_backend_events_total", replica="r0", event="prefix_cache_hit_tokens") == \
         counts["prefix_cache_hit_tokens"]
+    # the threads its verify forwards compute on: all of this process's (the threaded kernel is here)
+    assert server.status().info["verify_threads"] == torch.get_num_threads()
+    assert sample(text, "ae_replica_verify_threads", replica="r0") == torch.get_num_threads()
 
 
 def test_constrained_requests_a_replica_could_not_finish_are_exported():
