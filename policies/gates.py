@@ -353,8 +353,9 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
     a = np.array([s.accept_length for s in a_s], dtype=float)
     b = np.array([s.accept_length for s in b_s], dtype=float)
     n = len(a)
-    ev: dict = {"gate": "offline_sequential", "n": n, "needed": config.min_samples, "level": config.confidence_level,
-                "quantile": q, "statistic": config.tail_statistic, "final": final,
+    ev: dict = {"gate": "offline_sequential", "n": n, "needed": config.min_samples,
+                "max_samples": config.offline_max_samples, "level": config.confidence_level, "quantile": q,
+                "statistic": config.tail_statistic, "final": final,
                 "dropped_unpaired": len(champion) + len(candidate) - 2 * n}
     if n == 0:
         return Decision(REJECT if final else CONTINUE, "no paired records" + (
@@ -403,6 +404,10 @@ def sequential_offline_gate(champion: Sequence[RequestSample], candidate: Sequen
         if closing:
             return Decision(REJECT, f"better on the tail ({record}) but {guard}, at {why_closed}.", ev)
         return Decision(CONTINUE, f"better on the tail ({record}) but {guard}; waiting for more records.", ev)
+    # the records the promotion rests on, in the order the test saw them (accept lengths to 6 decimals): the log
+    # alone re-runs the test, and the demo bounds its time to promotion from them (demo/phases.py)
+    ev["paired_records"] = {"request_id": [s.request_id for s in a_s], "champion": [round(x, 6) for x in a.tolist()],
+                            "candidate": [round(x, 6) for x in b.tolist()]}
     return Decision(PROMOTE, f"{what} improves ({tail_a:.3f} -> {tail_b:.3f}, mean {mean_a:.3f} -> {mean_b:.3f}) "
                              f"over {n} paired records: higher at {config.confidence_level:.0%} at any look "
                              f"(e-value {ev['e_better']:.1f} >= {bar:.0f}).", ev)

@@ -85,3 +85,71 @@ def _summary():
 def _info():
     return {"when": "now", "duration_s": 1.0, "target": "t", "frozen_head": "v1", "scenario": ["english"],
             "clients": 1, "max_tokens": 8, "machine": "m", "config": {}}
+
+
+
+def _gate(champion, candidate, needed=20, ids=None):
+    """A canary_started event's offline evidence at the demo's settings, with the records it promoted on."""
+    ids = ids or [f"g{i}" for i in range(len(champion))]
+    return {"gate": "offline_sequential", "needed": needed, "max_samples": 2000, "level": 0.9, "quantile": 0.25,
+            "statistic": "tail_mean", "paired_records": {"request_id": ids, "champion": list(champion),
+                                                         "candidate": list(candidate)}}
+
+
+def _promoted(seed, gain):
+    """Paired records (champion, candidate) up to the look at which the demo's gate promotes a head `gain` x better
+    on every record: evidence like a real promotion's, whose last record decided."""
+    import numpy as np
+
+    from bench.gate_sim import Setting, paired, promoted_at
+    a, b = paired(np.random.default_rng(seed), 800, lambda g: gain * g)
+    k = promoted_at(a, b, Setting("demo", 0.25, "tail_mean", 0.9, 20, mean_tolerance=0.5))[1]
+    return a[:k], b[:k]
+
+
+@pytest.fixture
+def few_resamples(monkeypatch):
+    from adaptive_eagle_cli.demo import phases
+    monkeypatch.setattr(phases, "DECISION_RESAMPLES", 30)  # each resample re-runs the test on up to 3x the records
+
+
+def test_the_time_to_promotion_has_an_interval_from_re_running_the_gate_on_its_own_records(few_resamples):
+    import numpy as np
+
+    from adaptive_eagle_cli.demo.phases import decision_time_interval
+    from bench.gate_sim import paired
+    rng = np.random.default_rng(3)
+    a, b = _promoted(4, 1.5)
+    n = len(a)
+    finished = {f"g{i}": 10.0 + i for i in range(3 * n)}  # a record a second
+    promoted = 10.0 + n - 1 + 30.0  # 30 s from its last record to the swap
+    lo, hi = decision_time_interval(_gate(a, b), finished, promoted, rng)
+    assert 10.0 + 19 + 30.0 <= lo < promoted < hi < 10.0 + 3 * n + 30.0, (lo, hi, promoted)  # never before `needed`
+    same = paired(rng, n, lambda g: g)  # an equal head: the same evidence would rarely decide at all
+    assert decision_time_interval(_gate(*same), finished, promoted, rng)[1] is None
+    worse = paired(rng, n, lambda g: 0.8 * g)  # a worse head is rejected first: no promotion to time
+    assert decision_time_interval(_gate(*worse), finished, promoted, rng) == (None, None)
+    assert decision_time_interval(_gate(a, b), {}, promoted, rng) is None  # records of unknown requests
+    assert decision_time_interval({"gate": "offline"}, finished, promoted, rng) is None  # a gate without records
+
+
+def test_the_phase_figure_carries_the_interval_from_its_phases_start(few_resamples):
+    a, b = _promoted(4, 1.5)
+    phases = phase_plan(("english", "code", "english"), 3 * 2 * len(a), 1 / 3)  # a code phase of 2 s a record
+    start, end = phases[1].start_s, phases[1].end_s
+    results, counts = [], {}
+    for rs, cs in [_requests(0, "english", 0, start, 2, 2, n=18),
+                   _requests(1, "code", start, start + len(a), 1, 1, n=len(a)),  # the evidence: one record a second
+                   _requests(1, "code", start + len(a) + 20, end, 2, 1, n=12, head="v2", tag="b"),
+                   _requests(2, "english", end, phases[2].end_s, 2, 2, n=18)]:
+        results += rs
+        counts.update(cs)
+    evidence = [r.request_id for r in results if r.phase == 1 and r.head_version == "v1"]
+    promoted = start + len(a) + 15.0
+    figs = phase_figures(results, phases, counts, [(promoted, "v2")], gates={"v2": _gate(a, b, ids=evidence)})
+    lo, hi = figs[1]["time_to_promotion_s_interval"]
+    assert figs[1]["time_to_promotion_s"] == round(promoted - start, 1) and 20 <= lo < promoted - start < hi, (lo, hi)
+    assert figs[0]["time_to_promotion_s_interval"] is None  # no promotion in the phase
+    assert phase_figures(results, phases, counts, [(promoted, "v2")])[1]["time_to_promotion_s_interval"] is None
+    text = markdown({**_summary(), "phase_figures": figs}, [], [], _info())
+    assert "to promotion s [90%]" in text and f"[{lo:.0f}, {hi:.0f}]" in text

@@ -17,7 +17,13 @@ Per phase:
   its share of the same traffic on the same replicas at the same time); above 1 the served heads were faster.
 - `time_to_promotion_s`: from the phase's start to the first promotion within it of a head that then served the
   phase's requests better than the frozen head did on the same requests; `time_to_any_promotion_s`: to the first
-  promotion of any head. None when none came in the phase.
+  promotion of any head. None when none came in the phase. Its interval (`time_to_promotion_s_interval`) is over
+  requests too: the paired records the sequential gate promoted on (the promotion log keeps them) are resampled
+  into new arrival sequences, the gate's tail test is re-run on each, and its first passing look is put on the
+  clock (the records' own finish times, the evidence's arrival rate past the last one, and this promotion's lag
+  from its last record to the swap). So it holds the candidate, the traffic's rate and the canary fixed and says
+  how soon the same evidence could have decided; the mean and per-domain guards are not re-run. Its upper end is
+  None when more than 5% of resamples reach no decision within 3x the records seen (or the gate's maximum).
 - `forgetting_pct` (returning phases): how much of its best gain on this domain the run lost by the time the
   domain came back. The gain is served over frozen accept length on the same requests, so the prompts'
   difficulty cancels: best = the highest such ratio over the last third of each earlier phase of the domain
@@ -33,10 +39,12 @@ import numpy as np
 
 from adaptive_eagle_cli.demo.config import Phase
 from adaptive_eagle_cli.demo.report import _tpot_ms, _trimmed, beats_frozen, tpot_gain_interval
+from policies.sequential import tail_evidence_path, tail_log_bar
 
 LEVEL = 0.9
 RESAMPLES = 2000
 MIN_REQUESTS = 5  # fewer scored requests in a window: no figure
+DECISION_RESAMPLES = 200  # each re-runs the tail test on every look of up to 3x the records (~0.1-0.3 s each)
 
 
 def _sums(steps: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -70,11 +78,47 @@ def _interval(xs: np.ndarray, scale=lambda x: x) -> Optional[tuple[float, float]
     return round(float(scale(lo)), 2), round(float(scale(hi)), 2)
 
 
+def decision_time_interval(gate: dict, finished_s: dict, promoted_s: float, rng) -> Optional[tuple]:
+    """90% interval of the time (seconds after traffic began) at which the same candidate would have been promoted
+    on another draw of its evidence (module docstring); None when the gate's evidence has no paired records or
+    some record's request is unknown. gate: the offline_sequential evidence of its canary_started event;
+    finished_s: request_id -> when its request finished."""
+    rec = gate.get("paired_records") or {}
+    ids = rec.get("request_id") or []
+    if not ids or any(i not in finished_s for i in ids):
+        return None
+    a, b = np.asarray(rec["champion"], dtype=float), np.asarray(rec["candidate"], dtype=float)
+    t = np.array([finished_s[i] for i in ids], dtype=float)
+    n, needed, q = len(ids), int(gate["needed"]), float(gate["quantile"])
+    alpha, stat = 1.0 - float(gate["level"]), gate["statistic"]
+    horizon = min(int(gate.get("max_samples") or 3 * n), 3 * n)
+    rate = (n - 1) / (t[-1] - t[0]) if n > 1 and t[-1] > t[0] else None  # records per second over the evidence
+    lag = promoted_s - t[-1]  # from its last record to the swap: the gate's look and the canary
+    bar, looks = tail_log_bar(alpha), np.arange(1, horizon + 1)
+    times = []
+    for _ in range(DECISION_RESAMPLES):
+        idx = rng.integers(0, n, horizon)
+        better = tail_evidence_path(a[idx], b[idx], q, alpha, stat, looks=looks)
+        worse = tail_evidence_path(b[idx], a[idx], q, alpha, stat, looks=looks)
+        passed = np.flatnonzero((better >= bar) & (looks >= needed))
+        rejected = np.flatnonzero(worse >= bar)
+        k = int(passed[0]) + 1 if len(passed) and not (len(rejected) and rejected[0] < passed[0]) else None
+        if k is None or (k > n and rate is None):
+            times.append(np.inf)
+        else:
+            times.append((t[k - 1] if k <= n else t[-1] + (k - n) / rate) + lag)
+    lo, hi = np.quantile(np.array(times), [(1 - LEVEL) / 2, (1 + LEVEL) / 2], method="inverted_cdf")
+    return (None if not np.isfinite(lo) else float(lo)), (None if not np.isfinite(hi) else float(hi))
+
+
 def phase_figures(results: Sequence, phases: Sequence[Phase], counts: dict, promotions: Sequence[tuple[float, str]],
-                  seed: int = 0) -> list[dict]:
+                  seed: int = 0, gates: Optional[dict] = None) -> list[dict]:
     """One dict a phase (the module docstring says what each figure is). results: the run's RequestResults;
-    counts: request_id -> control.StepCounts; promotions: (seconds after traffic began, version promoted)."""
+    counts: request_id -> control.StepCounts; promotions: (seconds after traffic began, version promoted);
+    gates: version -> the evidence its offline gate promoted it on (its canary_started event's), for the
+    interval of the time to promotion."""
     rng = np.random.default_rng(seed)
+    finished_s = {r.request_id: r.finished_s for r in results if r.request_id}
     scored = {i: [r for r in results if r.ok and r.phase == i and r.request_id in counts] for i in range(len(phases))}
     out = []
     for i, p in enumerate(phases):
@@ -88,7 +132,7 @@ def phase_figures(results: Sequence, phases: Sequence[Phase], counts: dict, prom
         def helped(version: str) -> bool:
             return beats_frozen([counts[r.request_id] for r in rs if r.head_version == version]) is True
 
-        helping = [t for t, v in mine if helped(v)]
+        helping = [(t, v) for t, v in mine if helped(v)]
         earlier = [j for j in range(i) if phases[j].domain == p.domain]
         fig = {"phase": i, "domain": p.domain, "start_s": round(p.start_s, 1), "end_s": round(p.end_s, 1),
                "drifted": i > 0 and p.domain != phases[i - 1].domain, "returning": bool(earlier),
@@ -101,13 +145,20 @@ def phase_figures(results: Sequence, phases: Sequence[Phase], counts: dict, prom
                "tpot_gain": round(tpot_h / tpot_s, 3) if tpot_s and tpot_h else None,
                "tpot_gain_interval": tpot_gain_interval(ok),
                "promotions": len(mine),
-               "time_to_promotion_s": round(helping[0] - p.start_s, 1) if helping else None,
+               "time_to_promotion_s": round(helping[0][0] - p.start_s, 1) if helping else None,
+               "time_to_promotion_s_interval": _shifted(decision_time_interval(
+                   (gates or {}).get(helping[0][1]) or {}, finished_s, helping[0][0], rng), -p.start_s)
+               if helping else None,
                "time_to_any_promotion_s": round(mine[0][0] - p.start_s, 1) if mine else None,
                "forgetting_pct": None, "forgetting_pct_interval": None}
         if earlier:
             fig.update(_forgetting(p, [phases[j] for j in earlier], [scored[j] for j in earlier], rs, counts, rng))
         out.append(fig)
     return out
+
+
+def _shifted(iv: Optional[tuple], by: float) -> Optional[tuple]:
+    return None if iv is None else tuple(None if x is None else round(x + by, 1) for x in iv)
 
 
 def _forgetting(now_phase: Phase, before: Sequence[Phase], before_rs: Sequence[Sequence], rs: Sequence, counts: dict,

@@ -378,14 +378,20 @@ def _phase_lines(figs: Sequence[dict]) -> list[str]:
            "helped it, and on a returning domain the share of its best gain lost by its return (forgetting; "
            "adaptive_eagle_cli/demo/phases.py). 90% intervals over requests.", "",
            "| phase | domain | returning | requests | accept served | frozen | gain % [90%] | TPOT gain [90%] | "
-           "promotions | to promotion s | forgetting % [90%] |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "promotions | to promotion s [90%] | forgetting % [90%] |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for f in figs:
         out.append(f"| {f['phase']} | {f['domain']} | {'yes' if f['returning'] else 'no'} | {f['requests']} | "
                    f"{_fmt(f['accept_length_served'])} | {_fmt(f['accept_length_frozen'])} | {_fmt(f['gain_pct'], 2)} "
                    f"{_pct_interval(f['gain_pct_interval'])} | {_fmt(f['tpot_gain'], 3)} "
-                   f"{_interval(f['tpot_gain_interval'])} | {f['promotions']} | {_fmt(f['time_to_promotion_s'], 0)} | "
+                   f"{_interval(f['tpot_gain_interval'])} | {f['promotions']} | {_fmt(f['time_to_promotion_s'], 0)} "
+                   f"{_seconds_interval(f.get('time_to_promotion_s_interval'))} | "
                    f"{_fmt(f['forgetting_pct'], 2)} {_pct_interval(f['forgetting_pct_interval'])} |")
     return out
+
+
+def _seconds_interval(iv) -> str:
+    """[lo, hi] in whole seconds; an open end (no decision in over 5% of resamples) reads '–'."""
+    return f"[{_fmt(iv[0], 0)}, {_fmt(iv[1], 0)}]" if iv else ""
 
 
 def _pct_interval(iv) -> str:

@@ -233,7 +233,8 @@ def _finish(cfg: DemoConfig, out: Path, stack_cfg, run: _Run, t_start: float, ec
              "trainer_events": run.trainer_events[-40:], "control_errors": run.control_errors,
              "phases": [p.__dict__ for p in run.phases], "duration_s": round(time.monotonic() - t_start, 1),
              "phase_figures": phase_figures(run.results, run.phases, replays, [
-                 (report.event_seconds(e, run.t0), e.candidate) for e in tail.events if e.event == "promoted"])}
+                 (report.event_seconds(e, run.t0), e.candidate) for e in tail.events if e.event == "promoted"],
+                 gates={e.candidate: e.evidence for e in tail.events if e.event == "canary_started"})}
     s = report.summary(rows, run.results, tail.events, checks, run.control,
                        {**report.time_to_adapt(
                            run.phases, run.t0, run.candidate_times, tail.events, rows,

@@ -96,6 +96,11 @@ def test_the_gate_follows_the_path_rejects_a_worse_head_early_and_closes_inconcl
     assert before.action == CONTINUE and at.action == PROMOTE, (before.reason, at.reason)
     assert at.evidence["e_better"] >= at.evidence["e_bar"] and "higher at 90% at any look" in at.reason
     assert "over %d paired records" % k in at.reason
+    rec = at.evidence["paired_records"]  # what the promotion rests on, in the log: the test re-runs from it alone
+    assert rec["request_id"] == [f"r{i}" for i in range(k)] and at.evidence["max_samples"] == cfg.offline_max_samples
+    assert np.isclose(np.exp(tail_evidence(rec["champion"], rec["candidate"], 0.25, 0.1, "tail_mean")["log_e_better"]),
+                      at.evidence["e_better"], rtol=1e-4)
+    assert "paired_records" not in before.evidence  # only a promotion carries them
     path = tail_evidence_path(a[:k], b[:k], 0.25, 0.1, "tail_mean")
     assert np.isclose(path[-1], tail_evidence(a[:k], b[:k], 0.25, 0.1, "tail_mean")["log_e_better"])
     assert path[-1] >= tail_log_bar(0.1) > path[-2]
