@@ -12,8 +12,10 @@ same minutes, prompts (seed) and CPU budget, one after the other on an otherwise
 Per phase (adaptive_eagle_cli/demo/phases.py says how each is measured): accept length of the served heads vs
 the frozen head on the same requests (gain_pct), time per output token (tpot_gain, holdback arm), the time
 from the phase's start to the first promotion that helped it, and on a returning domain the share of its best
-gain it lost (forgetting_pct) and how much faster it was re-adapted than the first time (readapt_speedup =
-the first phase's time to promotion over this one's), each with its 90% interval over requests.
+gain it lost (forgetting_pct), each with its 90% interval over requests (the time to promotion's from re-running
+the gate's test on resamples of the records it promoted on), and how much faster it was re-adapted than the first
+time (readapt_speedup = the first phase's time to promotion over this one's: a ratio of the two, whose own
+intervals say how far to trust it).
 
 Held out. The configuration these runs use is the shipped default (the demo's), chosen before this bench
 existed: no setting was chosen on these phases, so every phase is reported as held out (`heldout`). A session
