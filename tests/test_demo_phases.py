@@ -130,6 +130,8 @@ def test_the_time_to_promotion_has_an_interval_from_re_running_the_gate_on_its_o
     worse = paired(rng, n, lambda g: 0.8 * g)  # a worse head is rejected first: no promotion to time
     assert decision_time_interval(_gate(*worse), finished, promoted, rng) == (None, None)
     assert decision_time_interval(_gate(a, b), {}, promoted, rng) is None  # records of unknown requests
+    gave_up = {k: v for k, v in finished.items() if k not in ("g5", "g6")}  # clients that gave up: no response
+    assert decision_time_interval(_gate(a, b), gave_up, promoted, rng) is not None  # their times interpolated
     assert decision_time_interval({"gate": "offline"}, finished, promoted, rng) is None  # a gate without records
 
 

@@ -81,14 +81,16 @@ def _interval(xs: np.ndarray, scale=lambda x: x) -> Optional[tuple[float, float]
 def decision_time_interval(gate: dict, finished_s: dict, promoted_s: float, rng) -> Optional[tuple]:
     """90% interval of the time (seconds after traffic began) at which the same candidate would have been promoted
     on another draw of its evidence (module docstring); None when the gate's evidence has no paired records or
-    some record's request is unknown. gate: the offline_sequential evidence of its canary_started event;
+    the requests of fewer than half of them are known. gate: the offline_sequential evidence of its canary_started event;
     finished_s: request_id -> when its request finished."""
     rec = gate.get("paired_records") or {}
     ids = rec.get("request_id") or []
-    if not ids or any(i not in finished_s for i in ids):
+    known = np.array([i in finished_s for i in ids], dtype=bool)
+    if known.sum() < max(2, len(ids) / 2):  # most records' requests unknown: not this run's gate
         return None
     a, b = np.asarray(rec["champion"], dtype=float), np.asarray(rec["candidate"], dtype=float)
-    t = np.array([finished_s[i] for i in ids], dtype=float)
+    # a record whose client gave up (captured, but no response seen) takes its time from its neighbours
+    t = np.interp(np.arange(len(ids)), np.flatnonzero(known), [finished_s[i] for i in ids if i in finished_s])
     n, needed, q = len(ids), int(gate["needed"]), float(gate["quantile"])
     alpha, stat = 1.0 - float(gate["level"]), gate["statistic"]
     horizon = min(int(gate.get("max_samples") or 3 * n), 3 * n)
