@@ -135,6 +135,25 @@ def test_the_time_to_promotion_has_an_interval_from_re_running_the_gate_on_its_o
     assert decision_time_interval({"gate": "offline"}, finished, promoted, rng) is None  # a gate without records
 
 
+def test_evidence_that_drifted_keeps_its_own_time_to_promotion_inside_the_interval(few_resamples):
+    """A drift inside the evidence: the candidate equals the champion on the first 250 records (the old domain) and
+    is 1.6x better after (the new one), so the test passes only once enough new-domain records came. A resample
+    that mixed all records would put the run's own decision below its interval (a 90% interval of about 390 to
+    990 s here: the gain spread thin); kept local in arrival order, the decision lies inside it."""
+    import numpy as np
+
+    from adaptive_eagle_cli.demo.phases import decision_time_interval
+    from bench.gate_sim import paired
+    from policies.sequential import tail_evidence_path, tail_log_bar
+    rng = np.random.default_rng(0)
+    (a1, b1), (a2, b2) = paired(rng, 250, lambda g: g), paired(rng, 400, lambda g: 1.6 * g)
+    a, b = np.r_[a1, a2], np.r_[b1, b2]
+    k = int(np.flatnonzero(tail_evidence_path(a, b, 0.25, 0.1, "tail_mean") >= tail_log_bar(0.1))[0]) + 1
+    finished = {f"g{i}": float(i) for i in range(k)}
+    lo, hi = decision_time_interval(_gate(a[:k], b[:k]), finished, promoted_s=k - 1 + 30.0, rng=rng)
+    assert 250 < k < 400 and lo <= k - 1 + 30.0 <= hi, (k, lo, hi)
+
+
 def test_the_phase_figure_carries_the_interval_from_its_phases_start(few_resamples):
     a, b = _promoted(4, 1.5)
     phases = phase_plan(("english", "code", "english"), 3 * 2 * len(a), 1 / 3)  # a code phase of 2 s a record

@@ -19,11 +19,15 @@ Per phase:
   phase's requests better than the frozen head did on the same requests; `time_to_any_promotion_s`: to the first
   promotion of any head. None when none came in the phase. Its interval (`time_to_promotion_s_interval`) is over
   requests too: the paired records the sequential gate promoted on (the promotion log keeps them) are resampled
-  into new arrival sequences, the gate's tail test is re-run on each, and its first passing look is put on the
-  clock (the records' own finish times, the evidence's arrival rate past the last one, and this promotion's lag
-  from its last record to the swap). So it holds the candidate, the traffic's rate and the canary fixed and says
-  how soon the same evidence could have decided; the mean and per-domain guards are not re-run. Its upper end is
-  None when more than 5% of resamples reach no decision within 3x the records seen (or the gate's maximum).
+  locally in arrival order (each position draws one of the records within a twentieth of the evidence either side
+  of it; past the last record, from the latest tenth), the gate's tail test is re-run on each resample, and its
+  first passing look is put on the clock (the records' own finish times, the evidence's arrival rate past the last
+  one, and this promotion's lag from its last record to the swap). Local, because evidence under drift is not
+  stationary: which domains came when shapes the test's path (a plain resample that mixes the whole evidence
+  put a run's own time to promotion below its interval). So it says how soon the same traffic, other requests of
+  it, could have decided; it holds the candidate, the host's speed and the canary fixed (runs vary in those:
+  compare runs for that), and the mean and per-domain guards are not re-run. Its upper end is None when more
+  than 5% of resamples reach no decision within 3x the records seen (or the gate's maximum).
 - `forgetting_pct` (returning phases): how much of its best gain on this domain the run lost by the time the
   domain came back. The gain is served over frozen accept length on the same requests, so the prompts'
   difficulty cancels: best = the highest such ratio over the last third of each earlier phase of the domain
@@ -98,8 +102,10 @@ def decision_time_interval(gate: dict, finished_s: dict, promoted_s: float, rng)
     lag = promoted_s - t[-1]  # from its last record to the swap: the gate's look and the canary
     bar, looks = tail_log_bar(alpha), np.arange(1, horizon + 1)
     times = []
+    half = max(2, n // 20)
+    centre = np.minimum(np.arange(horizon), n - 1 - half)  # past the evidence: its latest tenth
     for _ in range(DECISION_RESAMPLES):
-        idx = rng.integers(0, n, horizon)
+        idx = np.clip(centre + rng.integers(-half, half + 1, horizon), 0, n - 1)
         better = tail_evidence_path(a[idx], b[idx], q, alpha, stat, looks=looks)
         worse = tail_evidence_path(b[idx], a[idx], q, alpha, stat, looks=looks)
         passed = np.flatnonzero((better >= bar) & (looks >= needed))
