@@ -22,6 +22,7 @@ itself).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import replace
 from typing import Callable, Optional
@@ -55,6 +56,8 @@ class GatewayFleet:
         self.rolling, self.refusal = rolling, refusal
         self.loop: Optional[asyncio.AbstractEventLoop] = None  # the gateway's loop (set when it starts)
         self._swap_lock = asyncio.Lock()
+        # swaps and canary changes finished so far: statuses read before a change are stale after it (areconcile)
+        self.changes = 0
 
     # ---- the policy's interface (any thread but the gateway's loop) ---------------------------------
     def swap(self, version: str) -> list[SwapResult]:
@@ -155,8 +158,17 @@ class GatewayFleet:
         finally:
             await self.router.fleet_changed()  # waiting requests re-check which replicas may serve them
 
-    async def _aswap(self, version: str) -> list[SwapResult]:
+    @contextlib.asynccontextmanager
+    async def _changing(self):
+        """The swap lock, held while the replicas' heads or the canary change; counts the change on release."""
         async with self._swap_lock:
+            try:
+                yield
+            finally:
+                self.changes += 1
+
+    async def _aswap(self, version: str) -> list[SwapResult]:
+        async with self._changing():
             if self.in_replica_canary and self.router.canary is not None:
                 await self._end_in_replica_canary()
             results = await self._swap_slots(list(self.router.slots), version)
@@ -188,13 +200,17 @@ class GatewayFleet:
         self.router.canary = Canary(version, fraction)  # no replica serves it whole: the router sends to all
         return results
 
-    async def areconcile(self, statuses: dict) -> list[str]:
+    async def areconcile(self, statuses: dict, changes: Optional[int] = None) -> list[str]:
         """Bring back a replica whose head is not the one the router routes to it (Ray restarted its actor, which
         came back with the registry's champion, or lost a canary's head): swap it to its slot's version; if it
         refuses, record what it really serves so routing and live samples stay truthful. `statuses`: replica name
-        -> ServerStatus (None: it did not answer). Returns one line per replica it acted on."""
+        -> ServerStatus (None: it did not answer). `changes`: `self.changes` when the statuses were asked for; if
+        a swap or canary change finished since, they may show a head from before it, and nothing is done (the
+        next pass asks again). Returns one line per replica it acted on."""
         lines = []
         async with self._swap_lock:  # never while a swap is under way (a replica between two versions)
+            if changes is not None and changes != self.changes:
+                return lines
             for slot in self.router.slots:
                 st = statuses.get(slot.replica.name)
                 if st is None or st.head_version == slot.version:
@@ -222,7 +238,7 @@ class GatewayFleet:
             await self.router.fleet_changed()
 
     async def _aset_canary(self, version: Optional[str], fraction: float) -> list[SwapResult]:
-        async with self._swap_lock:
+        async with self._changing():
             if self.in_replica_canary:
                 return await self._in_replica_canary(version, fraction)
             current, champion = self.router.canary, self.champion

@@ -170,7 +170,9 @@ class Gateway:
         while True:
             await asyncio.sleep(every_s)
             try:
-                for line in await self.fleet.areconcile(await self.replica_statuses(METRICS_STATUS_TIMEOUT_S)):
+                changes = self.fleet.changes  # a swap finishing while the statuses come in makes them stale
+                statuses = await self.replica_statuses(METRICS_STATUS_TIMEOUT_S)
+                for line in await self.fleet.areconcile(statuses, changes):
                     log.warning("fleet: %s", line)
                     self.metrics.fleet_reconciled.inc()
             except Exception as e:  # noqa: BLE001 - counted and logged; the next pass tries again

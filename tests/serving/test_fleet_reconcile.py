@@ -50,6 +50,27 @@ def test_a_restarted_canary_replica_is_swapped_back_and_a_refusing_one_is_routed
     asyncio.run(scenario())
 
 
+
+def test_statuses_read_before_a_promotion_do_not_swap_back_or_cry_restart():
+    """The gateway's reconcile pass asks every replica's status, then waits for the swap lock; a promotion that
+    swaps the fleet meanwhile makes those statuses stale (found in three continual runs: at each promotion the
+    on-call log read "replica-0 served <old champion>, routed as <new> (restarted?)" though nothing restarted).
+    Statuses from before a finished change are dropped; the next pass, with fresh ones, acts on a real
+    restart."""
+    async def scenario():
+        a = Replica("a", "v1")
+        router = Router([a], ["v1"], queue_size=4, wait_timeout_s=10.0)
+        fleet = GatewayFleet(router, LiveSamples())
+        changes, stale = fleet.changes, {"a": a.status()}  # the pass read v1 ...
+        await fleet.aswap("cand")  # ... and the promotion swapped to cand before it got the lock
+        assert a.head == "cand" and a.swaps == ["cand"]
+        assert await fleet.areconcile(stale, changes) == [] and a.swaps == ["cand"]
+        a.head = "v1"  # a real restart after the promotion: the next pass sees it with fresh statuses
+        lines = await fleet.areconcile({"a": a.status()}, fleet.changes)
+        assert len(lines) == 1 and "swapped back to cand" in lines[0] and a.head == "cand"
+
+    asyncio.run(scenario())
+
 class SlowReplica(Replica):
     """A stand-in replica (test code) whose swap takes a while, like an SGLang restart; it records what else was
     swapping when it started, and the requests routed to it."""
