@@ -101,6 +101,10 @@ class CandidateWriter:
         self.last_t = time.monotonic()
         self.trained_times = []
 
+    def due_now(self) -> None:
+        """The next candidate is due as soon as min_candidate_tokens allow (the champion moved under the line)."""
+        self.last_t = time.monotonic() - 60 * self.cfg.candidate_every_minutes
+
     def trained(self, records: list[TraceRecord], times: list[tuple[float, float, float]]) -> None:
         """Fresh records a step trained on, with their (captured, read, trained) times: the next candidate's
         latency and the window it learnt from."""

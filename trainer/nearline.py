@@ -249,14 +249,33 @@ class NearlineTrainer:
                                                               if champion == PLAIN and self.cfg.base_head else ""))
 
     def follow_champion(self) -> bool:
-        """Restart from the registry's champion when it changed (a promotion, a rollback). True if it did."""
+        """Follow the registry's champion when it changed (a promotion, a rollback). True if it did. A snapshot of
+        this trainer's own line (written since its last restart) keeps the line: the head goes on training from
+        where it is, the snapshot plus every step since, instead of restarting from the snapshot and throwing
+        those steps away; any other champion (a rollback, a head from elsewhere) restarts from it."""
         self._last_champion_check = time.monotonic()
         champion = self.registry.champion()
         if champion == self.base:
             return False
+        if champion != PLAIN and champion in self.counters["candidates"] and self.learner.head is not None:
+            self._keep_line(champion)
+            return True
         self._note(f"champion changed {self.base} -> {champion}: restarting from it")
         self._reset_to(champion)
         return True
+
+    def _keep_line(self, champion: str) -> None:
+        """The champion is a snapshot of this line: judge against it from now on, keep training the line. The
+        snapshots gathering evidence close (replayed against the old champion); the line's steps since its last
+        snapshot are untested, so the next snapshot is due at once."""
+        since = self.counters["candidates"][::-1].index(champion)
+        self._note(f"champion changed {self.base} -> {champion}, a snapshot of this trainer's line: training goes on "
+                   f"from the line (kept: the {since} later snapshot(s) and every step since it)")
+        self.base = champion
+        self.book.close_all(f"the champion changed to {champion}")
+        self.champion_head = self._load(champion).float().eval()
+        self.candidates.due_now()
+        self.drift.reset(champion)
 
     # ---- poll and route --------------------------------------------------------------------------
     def poll(self, block_ms: int = 0) -> int:

@@ -152,8 +152,11 @@ def test_nearline_trainer_with_two_workers_trains_checkpoints_and_writes_a_candi
         assert any(not torch.equal(before[k], v) for k, v in tr.head.state_dict().items())
         name = tr.write_candidate()
         assert tr.registry.version(name).training["trainer"] == "nearline"
-        # a champion change reaches the workers too: the next step starts from the new champion
+        # the promotion of the line's own snapshot keeps the line, on the workers too; a champion from elsewhere
+        # (a rollback) reaches them: the next step starts from it
         tr.registry.set_champion(name, expect="v1")
+        assert tr.follow_champion() and tr.learner.pushed
+        tr.registry.set_champion("v1", expect=name)
         assert tr.follow_champion() and not tr.learner.pushed
     finally:
         tr.close()
