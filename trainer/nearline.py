@@ -268,9 +268,10 @@ class NearlineTrainer:
         """The champion is a snapshot of this line: judge against it from now on, keep training the line. The
         snapshots gathering evidence close (replayed against the old champion); the line's steps since its last
         snapshot are untested, so the next snapshot is due at once."""
-        since = self.counters["candidates"][::-1].index(champion)
-        self._note(f"champion changed {self.base} -> {champion}, a snapshot of this trainer's line: training goes on "
-                   f"from the line (kept: the {since} later snapshot(s) and every step since it)")
+        later = self.counters["candidates"][::-1].index(champion)
+        self._note(f"champion changed {self.base} -> {champion}, a snapshot of this trainer's line: the line goes on "
+                   f"from where it is (every step since {champion} kept; {later} later snapshot(s) of it were "
+                   "judged against the old champion)")
         self.base = champion
         self.book.close_all(f"the champion changed to {champion}")
         self.champion_head = self._load(champion).float().eval()
