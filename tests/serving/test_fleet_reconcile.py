@@ -50,7 +50,6 @@ def test_a_restarted_canary_replica_is_swapped_back_and_a_refusing_one_is_routed
     asyncio.run(scenario())
 
 
-
 def test_statuses_read_before_a_promotion_do_not_swap_back_or_cry_restart():
     """The gateway's reconcile pass asks every replica's status, then waits for the swap lock; a promotion that
     swaps the fleet meanwhile makes those statuses stale (found in three continual runs: at each promotion the
@@ -70,6 +69,7 @@ def test_statuses_read_before_a_promotion_do_not_swap_back_or_cry_restart():
         assert len(lines) == 1 and "swapped back to cand" in lines[0] and a.head == "cand"
 
     asyncio.run(scenario())
+
 
 class SlowReplica(Replica):
     """A stand-in replica (test code) whose swap takes a while, like an SGLang restart; it records what else was
