@@ -4,9 +4,10 @@ how many paired records a better head needs, checked after every record as the p
 Records. Both heads are replayed on the same records (test-then-train evidence): a record's difficulty g
 (1 + Gamma(4, 0.18): mean accept length 1.72, a floor at 1 like plain decoding's) sets both accept lengths,
 each head adds its own 5% noise. A head is a change of g by the record's place in the champion's
-distribution (`HEADS`): equal; the tail lowered by 2%, 4% or 8% (the lowest 2q of records scaled down); the
-shape a sign test on tail records passes (the weakest q lifted 10%, the next 0.6q pushed down 20%); a better
-tail bought with a mean 1% lower; 5% better everywhere. The true change of the tail statistic and of the mean
+distribution (`head_transforms`): equal; the tail lowered by 2%, 4% or 8% (the lowest 2q of records scaled
+down); the shape a sign test on tail records passes (the weakest q lifted 10%, the next 0.6q pushed down 20%);
+a higher q-quantile with a lower tail mean (the weakest 0.4q down 15%, the next 1.2q up 5%); a better tail
+bought with a mean 1% lower; 5% and 50% better everywhere. The true change of the tail statistic and of the mean
 is measured on 400,000 records and printed beside each head.
 
 The rule is the gate's (policies/gates.py `sequential_offline_gate`): from min_samples paired records on,
@@ -73,7 +74,7 @@ def head_transforms(q: float) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
     """Each head as a function of the records' difficulty; places are the champion's quantiles of g."""
     ref = _difficulty(np.random.default_rng(12345), 400_000)
     at = lambda p: float(np.quantile(ref, p))  # noqa: E731
-    low, tail2, shape_hi = at(q), at(min(0.49, 2 * q)), at(min(0.49, 1.6 * q))
+    low, tail2, shape_hi, floor_hi = at(q), at(min(0.49, 2 * q)), at(min(0.49, 1.6 * q)), at(0.4 * q)
     # a better tail (x1.02 on the lowest q) paid for by the rest: the mean 1% lower overall
     rest = ref > low
     s = (0.99 * ref.mean() - 1.02 * ref[~rest].sum() / len(ref)) / (ref[rest].sum() / len(ref))
@@ -83,12 +84,16 @@ def head_transforms(q: float) -> dict[str, Callable[[np.ndarray], np.ndarray]]:
         "tail -4%": lambda g: np.where(g <= tail2, 0.96 * g, g),
         "tail -8%": lambda g: np.where(g <= tail2, 0.92 * g, g),
         "shape": lambda g: np.where(g <= low, 1.10 * g, np.where(g <= shape_hi, 0.80 * g, g)),
+        # the q-quantile higher (+4% at q 0.25), the tail mean lower (-2%): the bet at the candidate's own
+        # threshold sees a candidate that leads there, and must still not promote it
+        "threshold up, tail down": lambda g: np.where(g <= floor_hi, 0.85 * g, np.where(g <= shape_hi, 1.05 * g, g)),
         "mean -1%, tail better": lambda g: np.where(g <= low, 1.02 * g, s * g),
         "better 5%": lambda g: 1.05 * g,
+        "better 50%": lambda g: 1.5 * g,
     }
 
 
-BETTER = ("better 5%", "mean -1%, tail better")  # better on the tail: the rows that report power
+BETTER = ("better 5%", "better 50%", "mean -1%, tail better")  # better on the tail: the rows that report power
 
 
 def paired(rng: np.random.Generator, n: int, head: Callable[[np.ndarray], np.ndarray]):

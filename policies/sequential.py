@@ -133,6 +133,9 @@ BAND_LEVELS = (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6, 2.0)
 BAND_SHARE = 0.5  # of alpha: the band's bounds together; the rest goes to the test martingale
 CAP = 0.9  # a bet is at most CAP of what keeps every factor positive
 PENALTY_BET = 0.3  # the bet's estimate of the mean subtracts this share of the predictable gap bound
+# the tail-mean test's bets (`tail_mean_log_evalue_path`): (w, weight), betting at the threshold t + w (s - t), t the
+# champion's running q-quantile and s the candidate's; the e-value is the weighted average
+THRESHOLD_MIX = ((0.0, 0.5), (1.0, 0.5))
 
 
 Band = list[tuple[float, np.ndarray]]  # (level p, running bound on the p-quantile after each sample)
@@ -190,18 +193,25 @@ def tail_mean_log_evalue_path(champion: Sequence[float], candidate: Sequence[flo
     """log e-value against "the candidate's lower-tail mean (mean of its lowest q share) is at most the
     champion's", at each look (a record count; every record by default). Paired records in arrival order.
 
-    Why it tests the tail difference itself: for any threshold t, phi_b(t) = t - E[(t - b)+] / q is at most
-    LTM(b) (the Rockafellar-Uryasev form: LTM is the max of phi), so
-        LTM(b) - LTM(a) >= E[g(t)] - gap(t),  g(t) = ((t - a)+ - (t - b)+) / q,  gap(t) = LTM(a) - phi_a(t) >= 0,
-    with g a paired quantity (records the two heads score alike cancel). t_i is the champion's running
+    Why it tests the tail difference itself: for any threshold s, phi_b(s) = s - E[(s - b)+] / q is at most
+    LTM(b) (the Rockafellar-Uryasev form: LTM is the max of phi), and LTM(a) = phi_a(t) + gap(t) for any t,
+    gap(t) >= 0 (zero at a's q-quantile), so
+        LTM(b) - LTM(a) >= E[g] - gap(t),  g = (s - t) + ((t - a)+ - (s - b)+) / q,
+    a paired quantity (records the two heads score alike cancel where s = t). t_i is the champion's running
     q-quantile (predictable), gap(t_i) is bounded by `_gap_bounds` from an anytime band on the champion's
-    quantiles (BAND_SHARE of alpha), and the betting martingale prod(1 + lambda_i (g_i - c_i)), c_i the bound,
+    quantiles (BAND_SHARE of alpha), and each betting martingale prod(1 + lambda_i (g_i - c_i)), c_i the bound,
     is a test supermartingale under the null while the band holds (lambda_i predictable and capped so every
-    factor stays positive: g >= -(t - floor) / q since every value is at least `floor`). So
-    P(ever e >= 1 / (BAND_SHARE' alpha)) <= alpha: Ville's inequality plus the band's error. The bound of every
-    past record's gap tightens as the band does (each look uses the band at that look), which is what keeps
-    the test's cost of not knowing the champion's quantile small.
+    factor stays positive: every value is at least `floor`). The bound of every past record's gap tightens as
+    the band does (each look uses the band at that look), which keeps the price of not knowing the champion's
+    quantile small.
 
+    Two bets, averaged (THRESHOLD_MIX; an average of test supermartingales is one, so P(ever e >= 1 /
+    (BAND_SHARE' alpha)) <= alpha: Ville's inequality plus the band's error):
+    - s = t, the champion's threshold: g is (t - a)+ / q less (t - b)+ / q, so its mean can never exceed the
+      champion's own tail spread, t - LTM(a), however much better the candidate is. Then a head 1.5x better on
+      every record needed as many records as one 1.1x better (148 against 161-170 on real runs' champions,
+      docs/results/continual-2026-12-07d-epyc): the band's price had to fall under that spread first.
+    - s = the candidate's running q-quantile: g's mean is phi_b(s) - phi_a(t), which grows with the gain.
     Compare with `tail_log_bar(alpha)`: the value to reach."""
     a, b = np.asarray(champion, dtype=float), np.asarray(candidate, dtype=float)
     if a.shape != b.shape:
@@ -214,32 +224,47 @@ def tail_mean_log_evalue_path(champion: Sequence[float], candidate: Sequence[flo
     if n == 0:
         return out
     lows, ups = _band(a, q, alpha * BAND_SHARE)
-    t = tail_thresholds(a, q)
+    t, own = tail_thresholds(a, q), tail_thresholds(b, q)
     burn = int(np.ceil(2 / q))  # thresholds from fewer records than this are too rough to bet on
-    g = np.zeros(n)
-    ok = np.isfinite(t)
-    g[ok] = (np.maximum(t[ok] - a[ok], 0.0) - np.maximum(t[ok] - b[ok], 0.0)) / q
-    reach = np.maximum(t - floor, 0.0) / q  # g >= -reach
-    lam, prev_gap = np.zeros(n), np.full(n, np.inf)
-    total, total_sq, count = 0.0, 0.0, 0
+    prev_gap = np.full(n, np.inf)
     for i in range(burn, n):
         prev_gap[i] = _gap_bounds_at(t[i:i + 1], q, lows, ups, i - 1)[0]
+    ok = np.isfinite(t) & np.isfinite(own)
+    lead = np.zeros(n)
+    lead[ok] = own[ok] - t[ok]
+    bets = []
+    for w, weight in THRESHOLD_MIX:
+        s = t + w * lead
+        g, reach = np.zeros(n), np.zeros(n)
+        g[ok] = (s[ok] - t[ok]) + (np.maximum(t[ok] - a[ok], 0.0) - np.maximum(s[ok] - b[ok], 0.0)) / q
+        reach[ok] = np.maximum((s[ok] - floor) / q - (s[ok] - t[ok]), 0.0)  # g >= -reach
+        bets.append((weight, g, _bets(g, reach, prev_gap, burn)))
+    for j, m in enumerate(looks):
+        if m <= burn:
+            continue
+        idx = np.arange(burn, m)
+        gap = np.minimum(_gap_bounds_at(t[idx], q, lows, ups, m - 1), prev_gap[idx])
+        e = 0.0
+        for weight, g, lam in bets:
+            on = lam[idx] > 0
+            e += weight * np.exp(np.log1p(lam[idx][on] * (g[idx][on] - gap[on])).sum())
+        out[j] = float(np.log(e))
+    return out
+
+
+def _bets(g: np.ndarray, reach: np.ndarray, prev_gap: np.ndarray, burn: int) -> np.ndarray:
+    """Predictable bets on g less its gap bound: the running mean (less PENALTY_BET of the bound) over the
+    running second moment, capped at CAP of what keeps 1 + lambda (g - gap) positive when g = -reach."""
+    lam = np.zeros(len(g))
+    total, total_sq, count = 0.0, 0.0, 0
+    for i in range(burn, len(g)):
         if count >= 2 and np.isfinite(prev_gap[i]):
             mean = total / count - PENALTY_BET * prev_gap[i]
             var = max(total_sq / count - (total / count) ** 2, 1e-6)
             cap = CAP / (reach[i] + prev_gap[i]) if reach[i] + prev_gap[i] > 0 else 0.0
             lam[i] = float(np.clip(mean / (var + mean * mean), 0.0, cap))
         total, total_sq, count = total + g[i], total_sq + g[i] ** 2, count + 1
-    for j, m in enumerate(looks):
-        if m <= burn:
-            continue
-        idx = np.arange(burn, m)
-        idx = idx[lam[idx] > 0]
-        if not len(idx):
-            continue
-        gap = np.minimum(_gap_bounds_at(t[idx], q, lows, ups, m - 1), prev_gap[idx])
-        out[j] = float(np.log1p(lam[idx] * (g[idx] - gap)).sum())
-    return out
+    return lam
 
 
 def quantile_log_evalue_path(champion: Sequence[float], candidate: Sequence[float], q: float, alpha: float,

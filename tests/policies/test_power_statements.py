@@ -107,7 +107,7 @@ def test_an_offline_gate_that_closes_without_a_promotion_says_what_it_could_have
     same records (and at a window too small to bet on, the line says it could show nothing)."""
     cfg = demo_policy() if which == "demo" else prod_policy()
     rng = np.random.default_rng(1)
-    small = max(cfg.min_samples, 20)
+    small = 20 if which == "demo" else 300  # under the 60 / 400 at which each first detects a gain
     a, b = paired(rng, small, 0.0)
     shut = sequential_offline_gate(a, b, cfg, final=True)
     assert shut.action == REJECT
