@@ -155,7 +155,8 @@ def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests()
     # from the drift (30 s): the candidate of 10 s is before it; the promotion of 20 s too
     assert adapt == {"drift_onset_s": 30.0, "time_to_first_candidate_s": 12.0, "time_to_promotion_s": 36.5,
                      "time_to_any_promotion_s": 36.5,
-                     "recovered_fraction": 6.0}  # (2.0 - 1.4) / (1.5 - 1.4): more than the drop was won back
+                     "recovered_fraction": 6.0,  # (2.0 - 1.4) / (1.5 - 1.4): more than the drop was won back
+                     "accept_length_drop": 0.1}
     # a promotion counts for the drift only if the promoted head then served the drifted domain better than the
     # frozen head on the same requests: nl-1 did (r2: 2.0 vs 1.4); a head that served none of it does not count
     assert helped_drifted_domain(results, counts, phases, "nl-1") is True
@@ -165,7 +166,9 @@ def test_the_table_sets_the_stack_next_to_the_frozen_head_on_the_same_requests()
     late = time_to_adapt(phases, t0, [t0 + 42], [at(40), at(66.5)], rows,
                          lambda v: helped_drifted_domain(results, worse, phases, v))
     assert late["time_to_promotion_s"] is None and late["time_to_any_promotion_s"] == 10.0
-    assert "promotion 0.6 min" in adapt_line(adapt) and "recovered 600%" in adapt_line(adapt)
+    assert "promotion 0.6 min" in adapt_line(adapt)
+    assert "won back all of the accept-length drop (0.100) and more: the gain is 6.0x the drop" in adapt_line(adapt)
+    assert "recovered 50% of the accept-length drop (0.100)" in adapt_line({**adapt, "recovered_fraction": 0.5})
     assert time_to_adapt(phases[:1], t0, [], [], rows)["time_to_promotion_s"] is None  # no drift, no figure
     assert latency_line(None).startswith("no candidate")
     s = summary(rows, results, [], [], control, adapt)

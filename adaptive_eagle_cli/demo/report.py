@@ -160,7 +160,7 @@ def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[
     alone caused."""
     if len(phases) < 2:
         return {"drift_onset_s": None, "time_to_first_candidate_s": None, "time_to_promotion_s": None,
-                "time_to_any_promotion_s": None, "recovered_fraction": None}
+                "time_to_any_promotion_s": None, "recovered_fraction": None, "accept_length_drop": None}
     onset = phases[1].start_s
     cands = sorted(t - t0 for t in candidate_times if t - t0 >= onset)
     after_onset = sorted((s, e.candidate) for e in events
@@ -168,7 +168,7 @@ def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[
     promos = [s for s, version in after_onset if version is not None and helped(version)]
     before = next((r for r in rows if r.window == "before drift"), None)
     after = next((r for r in rows if r.window == "after adaptation"), None)
-    recovered = None
+    recovered = drop = None
     if before and after and None not in (before.accept_length_frozen, after.accept_length_frozen,
                                          after.accept_length_adapted):
         drop = before.accept_length_frozen - after.accept_length_frozen
@@ -178,7 +178,7 @@ def time_to_adapt(phases: Sequence[Phase], t0: float, candidate_times: Sequence[
             "time_to_first_candidate_s": round(cands[0] - onset, 1) if cands else None,
             "time_to_promotion_s": round(promos[0] - onset, 1) if promos else None,
             "time_to_any_promotion_s": round(after_onset[0][0] - onset, 1) if after_onset else None,
-            "recovered_fraction": recovered}
+            "recovered_fraction": recovered, "accept_length_drop": None if drop is None else round(drop, 4)}
 
 
 def latency_line(trainer_status: Optional[dict]) -> str:
@@ -194,10 +194,15 @@ def adapt_line(s: dict) -> str:
     def minutes(x) -> str:
         return "none" if x is None else f"{x / 60:.1f} min"
 
-    frac = s.get("recovered_fraction")
+    frac, drop = s.get("recovered_fraction"), s.get("accept_length_drop")
+    if frac is None:
+        won = "recovered – of the accept-length drop"
+    elif frac > 1:  # a small drop (the frozen head was as weak before the drift): a share of it says little
+        won = f"won back all of the accept-length drop ({drop:.3f}) and more: the gain is {frac:.1f}x the drop"
+    else:
+        won = f"recovered {100 * frac:.0f}% of the accept-length drop ({drop:.3f})"
     return (f"after the drift: first candidate {minutes(s.get('time_to_first_candidate_s'))}, promotion "
-            f"{minutes(s.get('time_to_promotion_s'))}; recovered "
-            f"{'–' if frac is None else f'{100 * frac:.0f}%'} of the accept-length drop")
+            f"{minutes(s.get('time_to_promotion_s'))}; {won}")
 
 
 def tool_calls(results: Sequence[RequestResult]) -> Optional[dict]:
