@@ -37,8 +37,8 @@ class PolicyConfig(BaseModel):
     tail_statistic: Literal["quantile", "tail_mean"] = Field("tail_mean", description=(
         "'tail_mean': the tail is the mean of the lowest tail_quantile share of per-request accept length "
         "(expected shortfall: it averages ceil(q x n) requests instead of interpolating one or two, and its paired "
-        "anytime-valid test promotes a head 5% better within about 1,400 records at q 0.05, "
-        "docs/results/gate-sim-2026-12-04); 'quantile': the tail_quantile itself (its anytime-valid test is "
+        "anytime-valid test promotes a head 5% better within about 1,200 records at q 0.05, "
+        "docs/results/gate-sim-2026-12-07-epyc); 'quantile': the tail_quantile itself (its anytime-valid test is "
         "unpaired and needed more than 3,000 records for the same head); in {quantile, tail_mean}"))
     confidence_level: float = Field(0.95, gt=0.5, lt=1.0, description=(
         "one-sided confidence level of 'the candidate's tail is higher'; 1 - level is the false-promotion "

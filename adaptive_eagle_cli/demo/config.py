@@ -188,8 +188,8 @@ def demo_stack_config(cfg: DemoConfig, state_dir: str):
         "champion_check_s": 3, "batch_tokens": 1024 if quick else 4096, "min_fresh_tokens": 256 if quick else 1024,
         # test-then-train: a snapshot costs no replay when written and gathers evidence from then on; two gather at
         # once, and a newer one closes the older whose rows lead the champion least. The sequential gate's valid
-        # test needs over a hundred paired records whatever the gain, hundreds for a few percent
-        # (docs/results/gate-sim-2026-12-04), so a snapshot every sixth of the run (at least every minute): a longer
+        # test needs about 60 paired records for a head 50% better, hundreds for a few percent
+        # (docs/results/gate-sim-2026-12-07-epyc), so a snapshot every sixth of the run (at least every minute): a longer
         # demo gives each snapshot a longer window of evidence (a third of the run, more for one that leads). A
         # held-out candidate is replayed when written (every 2.5 minutes)
         "evidence": cfg.evidence, "heldout_percent": 50 if quick else 25, "heldout_per_domain": 48,
