@@ -55,9 +55,10 @@ prometheus:
 	  echo "installing prometheus (apt-get)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null; }
 
-# make demo: the whole loop in 15 minutes (DEMO_ARGS="--minutes 30 --scenario english,code,math" for more)
+# make demo: the whole loop in 15 minutes, an agent's tool set drifting (DEMO_ARGS="--minutes 30 --scenario
+# english,code,math" for chat; CPU_ISA=avx2, defined below, for an AVX2-only CPU's kernels)
 demo: setup
-	$(VENV)/bin/adaptive-eagle demo $(DEMO_ARGS)
+	$(ISA_ENV) $(VENV)/bin/adaptive-eagle demo $(DEMO_ARGS)
 
 # starts a throwaway redis-server for the tests and stops it afterwards; promtool checks ops/alerts.yml
 test: setup redis-server prometheus sglang-wheel
