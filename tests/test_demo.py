@@ -247,3 +247,16 @@ def test_the_live_view_draws_a_panel_on_a_terminal_and_lines_elsewhere(tmp_path)
     drawn = console.export_text()
     assert "head nl-1" in drawn and "1.000" in drawn and "considered" in drawn
     assert "context 512-1k tokens" in drawn and "1.333" in drawn
+
+
+def test_the_command_line_leaves_the_default_scenario_to_the_config():
+    """`adaptive-eagle demo` with no --scenario runs DemoConfig's default (the agent's tool-set drift), not a
+    second default of its own."""
+    import inspect
+
+    from adaptive_eagle_cli.demo import demo
+    from adaptive_eagle_cli.demo.config import SCENARIOS
+
+    assert inspect.signature(demo).parameters["scenario"].default.default is None
+    assert DemoConfig.make(scenario=None).scenario == SCENARIOS["agent"] == ("tools", "tools2")
+    assert DemoConfig.make(scenario=None).first_share == 0.5

@@ -35,11 +35,11 @@ def demo(
     minutes: Optional[float] = typer.Option(None, help="wall-clock budget, start-up and report included "
                                             "(default 15; --quick 3.5)"),
     out: Path = typer.Option(Path("demo-report"), help="report directory (report.md, summary.json, plot, log)"),
-    scenario: str = typer.Option("english,code", help="domains the traffic drifts through, in order, 1 to 12 "
-                                 "phases, a domain may come back (english, code, math, agent, sessions, tools, "
-                                 "tools2), or `long` (= english,sessions: short chat drifting to long multi-turn agent "
-                                 "sessions), or `agent` (= tools,tools2: an agent loop calling tools whose tool set "
-                                 "changes halfway)"),
+    scenario: Optional[str] = typer.Option(None, help="domains the traffic drifts through, in order, 1 to 12 "
+                                           "phases, a domain may come back (english, code, math, agent, sessions, "
+                                           "tools, tools2), or `long` (= english,sessions: short chat drifting to "
+                                           "long multi-turn agent sessions), or `agent` (= tools,tools2: an agent "
+                                           "loop calling tools whose tool set changes halfway; the default)"),
     first_phase_share: Optional[float] = typer.Option(None, help="share of the traffic time of the first phase, in "
                                                      "(0, 1) (default 0.2; the agent scenario 0.5); the other phases "
                                                      "split the rest evenly"),
