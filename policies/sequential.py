@@ -31,7 +31,7 @@ from functools import lru_cache
 from typing import Literal, Sequence
 
 import numpy as np
-from scipy.special import betainc, betaln
+from scipy.special import betainc, betaln, logsumexp
 
 Side = Literal["lower", "upper"]
 
@@ -244,11 +244,11 @@ def tail_mean_log_evalue_path(champion: Sequence[float], candidate: Sequence[flo
             continue
         idx = np.arange(burn, m)
         gap = np.minimum(_gap_bounds_at(t[idx], q, lows, ups, m - 1), prev_gap[idx])
-        e = 0.0
+        logs = []
         for weight, g, lam in bets:
             on = lam[idx] > 0
-            e += weight * np.exp(np.log1p(lam[idx][on] * (g[idx][on] - gap[on])).sum())
-        out[j] = float(np.log(e))
+            logs.append(np.log(weight) + np.log1p(lam[idx][on] * (g[idx][on] - gap[on])).sum())
+        out[j] = float(logsumexp(logs))  # log of the weighted average, without overflow
     return out
 
 
