@@ -146,7 +146,8 @@ def test_each_package_mounts_its_own_commands():
     from trainer.cli import trainer_app
 
     assert {c.name for c in core_app.registered_commands} == {"generate", "target-info", "export-head", "import-head"}
-    assert {c.name for c in trainer_app.registered_commands} == {"train-head", "eval-head", "calibrate-head", "data-stats"}
+    assert {c.name for c in trainer_app.registered_commands} == {"train-head", "eval-head", "calibrate-head", "data-stats",
+                                                                 "regen-data"}
     top = invoke(CliRunner(), "--help").output
     for cmd in ("generate", "target-info", "data-stats", "store"):  # top level, not nested under a group
         assert cmd in top

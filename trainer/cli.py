@@ -243,3 +243,47 @@ def data_stats(jsonl: Optional[Path] = typer.Option(None, help="a JSONL file ins
     for d, r in rows.items():
         typer.echo(f"{d:12s} {r['train']:7d} {r['heldout']:8d}")
     typer.echo(f"{'total':12s} {sum(r['train'] for r in rows.values()):7d} {sum(r['heldout'] for r in rows.values()):8d}")
+
+
+@trainer_app.command("regen-data")
+def regen_data(
+    out: Path = typer.Option(..., "--out", "-o", help="JSONL to append to (resumable: answered ids are skipped)"),
+    target: str = typer.Option("smollm2-135m", help="built-in target name or local HF model directory"),
+    domains: str = typer.Option("english", help="comma-separated ShareGPT domains: english,code,math,non_english"),
+    conversations: int = typer.Option(2000, help="train-split prompts to answer"),
+    heldout: int = typer.Option(48, help="held-out prompts to answer too (train-head evaluates on them)"),
+    max_new_tokens: int = typer.Option(256, help="reply length limit (a cut reply ends at its last sentence)"),
+    max_prompt_tokens: int = typer.Option(384, help="longer prompts are skipped"),
+    batch: int = typer.Option(32, help="prompts decoded together"),
+    compute: str = typer.Option("bf16", help="the target's compute mode: bf16 | fp32 | fp32+fp16-weights | auto"),
+) -> None:
+    """Answer ShareGPT prompts with the target's own greedy decoding, as `train-head --data-jsonl` data.
+
+    A head is scored on the target's own continuations; ShareGPT's answers were written by other models.
+    Each record keeps its ShareGPT id, so it stays in its conversation's train or held-out split.
+    """
+    from tqdm import tqdm
+
+    from adaptive_eagle.targets import load_target
+    from trainer import data as D
+    from trainer.regen import RegenConfig, regenerate, validate
+
+    cfg = RegenConfig(out=out, domains=tuple(d.strip() for d in domains.split(",") if d.strip()),
+                      train_conversations=conversations, heldout_conversations=heldout,
+                      max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, batch=batch, compute=compute)
+    try:
+        validate(cfg)
+        tgt = load_target(target, compute=compute, purpose="plain")
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    bar = tqdm(unit="prompt", desc="regen-data")
+
+    def progress(done: int, total: int, tok_s: float) -> None:
+        bar.total = total
+        bar.n = done
+        bar.set_postfix_str(f"{tok_s:.0f} reply tok/s")
+        bar.refresh()
+
+    res = regenerate(cfg, tgt, D.load_sharegpt(), progress)
+    bar.close()
+    typer.echo(json.dumps(res))

@@ -1,0 +1,90 @@
+"""regen-data: ShareGPT prompts answered by the target, as train-head JSONL (trainer/regen.py)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from trainer import data as D
+from trainer.regen import RegenConfig, done_ids, pick_prompts, regenerate, trim_unfinished, validate
+
+
+def conv(cid: str, text: str | None = None) -> D.Conversation:
+    text = text or f"Tell me about rivers and lakes, part {cid}."
+    return D.Conversation(id=cid, domain="english", messages=(D.Message("user", text), D.Message("assistant", "ok")))
+
+
+def ids_in(split: str, n: int) -> list[str]:
+    out, i = [], 0
+    while len(out) < n:
+        if D.split_of(f"c{i}") == split:
+            out.append(f"c{i}")
+        i += 1
+    return out
+
+
+def test_pick_prompts_takes_each_split_as_asked_and_skips_done_ones(tmp_path):
+    train, held = ids_in("train", 6), ids_in("heldout", 3)
+    convs = [conv(c) for c in sorted(train + held, key=lambda c: int(c[1:]))]
+    cfg = RegenConfig(out=tmp_path / "o.jsonl", train_conversations=4, heldout_conversations=2)
+    picked = [cid for cid, _ in pick_prompts(convs, cfg, skip=set())]
+    assert [c for c in picked if D.split_of(c) == "train"] == train[:4]
+    assert [c for c in picked if D.split_of(c) == "heldout"] == held[:2]
+    # ids already written count toward the quota: a resumed run answers no more than asked in all
+    again = [cid for cid, _ in pick_prompts(convs, cfg, skip={train[0], held[0]})]
+    assert sorted(again) == sorted(set(picked) - {train[0], held[0]})
+
+
+def test_pick_prompts_passes_over_short_and_repeated_prompts(tmp_path):
+    train = ids_in("train", 4)
+    same = "Why is the sea salty?"
+    convs = [conv(train[0], "continue"), conv(train[1], same), conv(train[2], same), conv(train[3])]
+    cfg = RegenConfig(out=tmp_path / "o.jsonl", train_conversations=5, heldout_conversations=0)
+    assert [cid for cid, _ in pick_prompts(convs, cfg, skip=set())] == [train[1], train[3]]
+
+
+def test_trim_unfinished_ends_a_cut_reply_at_a_sentence():
+    assert trim_unfinished("The sky is blue. The grass is gre") == "The sky is blue."
+    assert trim_unfinished("Steps:\n1. Boil water\n2. Add the") == "Steps:\n1. Boil water"
+    text = "one long sentence without any end at all and then it is cut"
+    assert trim_unfinished(text) == text  # nothing to cut at: kept whole
+
+
+@pytest.mark.parametrize("field,value", [("batch", 0), ("max_new_tokens", 2), ("train_conversations", -1)])
+def test_validate_names_the_field_and_range(tmp_path, field, value):
+    with pytest.raises(ValueError, match=rf"{field}: {value} is outside \d+\.\.\d+"):
+        validate(RegenConfig(out=tmp_path / "o.jsonl", **{field: value}))
+    with pytest.raises(ValueError, match="domains: unknown"):
+        validate(RegenConfig(out=tmp_path / "o.jsonl", domains=("poetry",)))
+
+
+def test_cli_refuses_a_bad_option_and_writes_nothing(tmp_path):
+    from adaptive_eagle_cli import app
+
+    out = tmp_path / "o.jsonl"
+    res = CliRunner().invoke(app, ["regen-data", "--out", str(out), "--batch", "0"])
+    assert res.exit_code == 2 and "batch: 0 is outside 1..512" in res.output
+    assert not out.exists()
+
+
+def test_regenerate_answers_with_the_target_and_resumes(smollm2, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    convs = [conv(c, f"Name {k + 2} colours of the rainbow.") for k, c in enumerate(ids_in("train", 3))]
+    cfg = RegenConfig(out=out, train_conversations=3, heldout_conversations=0, max_new_tokens=12, batch=2)
+    res = regenerate(cfg, smollm2, convs)
+    assert res["written"] + res["empty_replies"] == 3 and res["written"] >= 2
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["id"] for r in rows} == done_ids(out) <= {c.id for c in convs}
+    for r in rows:  # train-head's own reader takes the file as it is
+        assert [m["role"] for m in r["conversations"]] == ["user", "assistant"]
+    assert len(list(D.load_jsonl(out))) == len(rows)
+    # the reply is the target's greedy continuation of the templated prompt
+    tok = smollm2.tokenizer
+    first = next(c for c in convs if c.id == rows[0]["id"])
+    prompt = tok.apply_chat_template([{"role": "user", "content": first.messages[0].content}], tokenize=False,
+                                     add_generation_prompt=True)
+    reply_ids = tok.encode(rows[0]["conversations"][1]["content"], add_special_tokens=False)
+    assert len(reply_ids) > 0
+    again = regenerate(cfg, smollm2, convs)
+    assert again["written"] == 0 and again["skipped_done"] == len(rows)
+    assert len(out.read_text().splitlines()) == len(rows)
