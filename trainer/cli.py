@@ -284,6 +284,10 @@ def regen_data(
         bar.set_postfix_str(f"{tok_s:.0f} reply tok/s")
         bar.refresh()
 
-    res = regenerate(cfg, tgt, D.load_sharegpt(), progress)
-    bar.close()
+    try:
+        res = regenerate(cfg, tgt, D.load_sharegpt(), progress)
+    except D.DataError as e:  # a bad line in the file being resumed
+        fail(f"{e}; fix or move that file, or pass another --out")
+    finally:
+        bar.close()
     typer.echo(json.dumps(res))

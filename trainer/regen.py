@@ -14,7 +14,8 @@ Splits: every record keeps its ShareGPT id, so `trainer.data.split_of` puts it i
 split as its source conversation: held-out prompts answered here only ever serve evaluation.
 
 Resumable: ids already in the output file are skipped; each batch is appended and flushed, so a stopped
-run loses at most one batch.
+run loses at most one batch. A run killed in the middle of a write leaves a torn last line: the next run cuts it
+off (and says so) before it appends; a bad line anywhere else is refused with its line number.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ def validate(cfg: RegenConfig) -> None:
     bad = set(cfg.domains) - set(D.DOMAINS)
     if bad or not cfg.domains:
         raise ValueError(f"domains: unknown {sorted(bad)}; choose from {D.DOMAINS}")
+
+
+def drop_torn_tail(path: Path) -> int:
+    """Cut a torn last line (no trailing newline: the writer was killed mid-line) off `path`; bytes cut."""
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+    return len(data) - keep
 
 
 def done_ids(path: Path) -> set[str]:
@@ -126,12 +140,14 @@ def regenerate(cfg: RegenConfig, target, conversations: Iterable[D.Conversation]
     validate(cfg)
     tok = target.tokenizer
     tok.padding_side = "left"
+    torn = drop_torn_tail(cfg.out)
     skip = done_ids(cfg.out)
-    todo = []
+    todo, long = [], 0
     for cid, prompt in pick_prompts(conversations, cfg, skip):
         ids = tok.encode(prompt, add_special_tokens=False)
         if len(ids) > cfg.max_prompt_tokens:
-            continue  # a long prompt would pad the whole batch to its length
+            long += 1  # a long prompt would pad the whole batch to its length
+            continue
         todo.append((len(ids), cid, prompt))
     todo.sort()  # similar lengths batch together: less padding
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
@@ -152,5 +168,6 @@ def regenerate(cfg: RegenConfig, target, conversations: Iterable[D.Conversation]
             f.flush()
             if progress:
                 progress(min(i + cfg.batch, len(todo)), len(todo), tokens / max(time.monotonic() - t0, 1e-9))
-    return {"written": written, "skipped_done": len(skip), "empty_replies": empty, "reply_tokens": tokens,
+    return {"written": written, "skipped_done": len(skip), "skipped_long": long, "torn_bytes_dropped": torn,
+            "empty_replies": empty, "reply_tokens": tokens,
             "seconds": round(time.monotonic() - t0, 1), "out": str(cfg.out)}

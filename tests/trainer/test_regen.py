@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trainer import data as D
-from trainer.regen import RegenConfig, done_ids, pick_prompts, regenerate, trim_unfinished, validate
+from trainer.regen import RegenConfig, done_ids, drop_torn_tail, pick_prompts, regenerate, trim_unfinished, validate
 
 
 def conv(cid: str, text: str | None = None) -> D.Conversation:
@@ -58,6 +58,18 @@ def test_validate_names_the_field_and_range(tmp_path, field, value):
         validate(RegenConfig(out=tmp_path / "o.jsonl", domains=("poetry",)))
 
 
+def test_a_torn_last_line_is_cut_off_and_a_bad_line_elsewhere_refused(tmp_path):
+    out = tmp_path / "o.jsonl"
+    good = json.dumps({"id": "a", "conversations": []}) + "\n"
+    out.write_text(good + '{"id": "b", "conversa')  # killed mid-write
+    assert drop_torn_tail(out) == len('{"id": "b", "conversa')
+    assert out.read_text() == good and done_ids(out) == {"a"}
+    assert drop_torn_tail(out) == 0
+    out.write_text('{"id": "b", "conversa\n' + good)  # not a tail: refused, naming the line
+    with pytest.raises(D.DataError, match=r"o\.jsonl:1: not JSON"):
+        done_ids(out)
+
+
 def test_cli_refuses_a_bad_option_and_writes_nothing(tmp_path):
     from adaptive_eagle_cli import app
 
@@ -78,13 +90,18 @@ def test_regenerate_answers_with_the_target_and_resumes(smollm2, tmp_path):
     for r in rows:  # train-head's own reader takes the file as it is
         assert [m["role"] for m in r["conversations"]] == ["user", "assistant"]
     assert len(list(D.load_jsonl(out))) == len(rows)
-    # the reply is the target's greedy continuation of the templated prompt
+    # a reply is the target's own greedy continuation of the chat-templated prompt: the batch's longest prompt
+    # (no left padding) against the same prompt decoded alone, over its first tokens
     tok = smollm2.tokenizer
-    first = next(c for c in convs if c.id == rows[0]["id"])
-    prompt = tok.apply_chat_template([{"role": "user", "content": first.messages[0].content}], tokenize=False,
-                                     add_generation_prompt=True)
-    reply_ids = tok.encode(rows[0]["conversations"][1]["content"], add_special_tokens=False)
-    assert len(reply_ids) > 0
+    longest = max(convs, key=lambda c: len(tok.encode(c.messages[0].content)))
+    text = tok.apply_chat_template([{"role": "user", "content": longest.messages[0].content}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+    alone = smollm2.model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.eos_token_id)
+    reply = next(r["conversations"][1]["content"] for r in rows if r["id"] == longest.id)
+    assert tok.encode(reply, add_special_tokens=False)[:3] == alone[0, ids.shape[1]:].tolist()
+    with open(out, "a") as f:  # a run killed mid-write: the next one cuts the torn line and goes on
+        f.write('{"id": "torn", "conv')
     again = regenerate(cfg, smollm2, convs)
-    assert again["written"] == 0 and again["skipped_done"] == len(rows)
+    assert again["written"] == 0 and again["skipped_done"] == len(rows) and again["torn_bytes_dropped"] == 20
     assert len(out.read_text().splitlines()) == len(rows)
