@@ -7,8 +7,9 @@ batches, and writing the pairs as JSONL in the format `train-head --data-jsonl` 
 Why: a draft head is scored on the target's own continuations, and at decode time its context is the
 target's own text. ShareGPT's answers were written by other models; a small target continues them
 differently (more repetitive, more predictable), so a head trained only on them learns the target's
-next token on text the target would not have written. SpecForge and the EAGLE authors regenerate the
-answers with the target for the same reason.
+next token on text the target would not have written. SpecForge recommends regenerating the answers with
+the target for the same reason (the EAGLE-1 paper found EAGLE not very sensitive to it; at this project's CPU
+budget it lifted offline acceptance and not decoding: docs/results/regen-2026-12-07-epyc).
 
 Splits: every record keeps its ShareGPT id, so `trainer.data.split_of` puts it in the same train/held-out
 split as its source conversation: held-out prompts answered here only ever serve evaluation.
