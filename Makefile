@@ -62,7 +62,7 @@ demo: setup
 
 # starts a throwaway redis-server for the tests and stops it afterwards; promtool checks ops/alerts.yml
 test: setup redis-server prometheus sglang-wheel
-	SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-redis.sh $(PY) -m pytest -q $(PYTEST_ARGS)
+	SGLANG_WHEEL=$(CURDIR)/$(SGLANG_WHEEL_DIR) ops/scripts/with-redis.sh $(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 # the suite as a shared CI machine meets it: a busy process on every core and an empty cache (fresh
 # compute-mode table, calibrations and target, all made under load); no test's verdict may change.
