@@ -284,8 +284,11 @@ def domain_counts(conversations: Iterable[Conversation]) -> dict[str, int]:
     return counts
 
 
+MIN_PROMPT_CHARS = 20  # a shorter first message ("hi", "continue": ShareGPT splits long chats) is no prompt
+
+
 def first_user_messages(conversations: Iterable[Conversation], n: int, *, domains: Iterable[str], split: str,
-                        min_chars: int = 20, max_chars: int = 1200) -> list[str]:
+                        min_chars: int = MIN_PROMPT_CHARS, max_chars: int = 1200) -> list[str]:
     """The first user message of the first `n` conversations of `domains` in `split` whose first
     message has min_chars..max_chars characters (prompts for benchmarks and calibration)."""
     out = []

@@ -32,7 +32,6 @@ import torch
 
 from trainer import data as D
 
-MIN_PROMPT_CHARS = 20  # as trainer.data.first_user_messages
 # where a cut reply may end: a line end, or a sentence end that is not a list number ("2. ")
 BOUNDARY = re.compile(r"\n|(?<![0-9])[.!?](?=\s|$)")
 
@@ -63,17 +62,29 @@ def validate(cfg: RegenConfig) -> None:
         raise ValueError(f"domains: unknown {sorted(bad)}; choose from {D.DOMAINS}")
 
 
-def drop_torn_tail(path: Path) -> int:
-    """Cut a torn last line (no trailing newline: the writer was killed mid-line) off `path`; bytes cut."""
+def drop_torn_tail(path: Path, chunk: int = 1 << 16) -> int:
+    """Cut a torn last line (no trailing newline: the writer was killed mid-line) off `path`; bytes cut. Reads
+    back from the end only as far as the last newline."""
     if not path.exists() or path.stat().st_size == 0:
         return 0
     with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return 0
-        keep = data.rfind(b"\n") + 1
+        size = f.seek(0, 2)
+        end = size
+        while end > 0:
+            start = max(0, end - chunk)
+            f.seek(start)
+            block = f.read(end - start)
+            if end == size and block.endswith(b"\n"):
+                return 0
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            end = start
+        else:
+            keep = 0
         f.truncate(keep)
-    return len(data) - keep
+    return size - keep
 
 
 def done_ids(path: Path) -> set[str]:
@@ -86,8 +97,8 @@ def done_ids(path: Path) -> set[str]:
 def pick_prompts(conversations: Iterable[D.Conversation], cfg: RegenConfig, skip: set[str],
                  ) -> list[tuple[str, str]]:
     """(id, first user message) for the first cfg.train_conversations train and cfg.heldout_conversations
-    held-out conversations of cfg.domains, minus `skip`. A first message under MIN_PROMPT_CHARS ("hi",
-    "continue": ShareGPT splits long chats into parts) or one seen before is passed over."""
+    held-out conversations of cfg.domains, minus `skip`. A first message under D.MIN_PROMPT_CHARS or one seen
+    before is passed over."""
     want = {"train": cfg.train_conversations, "heldout": cfg.heldout_conversations}
     got = {"train": 0, "heldout": 0}
     seen: set[str] = set()
@@ -99,7 +110,7 @@ def pick_prompts(conversations: Iterable[D.Conversation], cfg: RegenConfig, skip
                 break
             continue
         first = next((m.content for m in c.messages if m.role == "user"), "").strip()
-        if len(first) < MIN_PROMPT_CHARS or first in seen:
+        if len(first) < D.MIN_PROMPT_CHARS or first in seen:
             continue
         seen.add(first)
         got[split] += 1

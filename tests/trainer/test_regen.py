@@ -65,6 +65,11 @@ def test_a_torn_last_line_is_cut_off_and_a_bad_line_elsewhere_refused(tmp_path):
     assert drop_torn_tail(out) == len('{"id": "b", "conversa')
     assert out.read_text() == good and done_ids(out) == {"a"}
     assert drop_torn_tail(out) == 0
+    out.write_text(good + good + '{"id": "c", "conversa')  # read back in 4-byte pieces: the same cut
+    assert drop_torn_tail(out, chunk=4) == len('{"id": "c", "conversa') and out.read_text() == good + good
+    out.write_text('{"id": "d"')  # nothing whole at all
+    assert drop_torn_tail(out, chunk=4) == len('{"id": "d"') and out.read_text() == ""
+    out.write_text(good)
     out.write_text('{"id": "b", "conversa\n' + good)  # not a tail: refused, naming the line
     with pytest.raises(D.DataError, match=r"o\.jsonl:1: not JSON"):
         done_ids(out)
