@@ -17,20 +17,18 @@ with torch.inference_mode():
     la, _, _ = eng._prefill_into(ids, a, False, False, t.prefill_model)
     b = GrowingCache()
     lb, _, _ = eng._target_forward(ids, b, torch.arange(len(ids)), None, False, False, logits="last", model=t.prefill_model)
-    for size in (512,):
-        c = GrowingCache()
-        for s in range(0, len(ids), size):
-            lc, _, _ = eng._target_forward(ids[s:s+size], c, torch.arange(s, min(s+size, len(ids))), None, False, False, logits="last" if s+size>=len(ids) else "none", model=t.prefill_model)
-diff = [float((x.keys - y.keys).abs().max()) for x, y in zip(a.layers, b.layers)]
-print("blocks256 vs one forward: max |dK| per layer", diff[:4], "...", max(diff), "logits equal", torch.equal(la[-1:], lb[-1:]))
-diff = [float((x.keys - y.keys).abs().max()) for x, y in zip(a.layers, c.layers)]
-print("blocks256 vs blocks512:", max(diff))
-d1 = [float((x.keys - y.keys).abs().max()) for x, y in zip(a.layers, b.layers)]
-print("first differing layer (K):", next((i for i, v in enumerate(d1) if v), None))
+    c = GrowingCache()  # 512-token blocks
+    for s in range(0, len(ids), 512):
+        stop = min(s + 512, len(ids))
+        eng._target_forward(ids[s:stop], c, torch.arange(s, stop), None, False, False,
+                            logits="last" if stop == len(ids) else "none", model=t.prefill_model)
+dk = [float((x.keys - y.keys).abs().max()) for x, y in zip(a.layers, b.layers)]
 dv = [float((x.values - y.values).abs().max()) for x, y in zip(a.layers, b.layers)]
+print("blocks256 vs one forward: max |dK| per layer", dk[:4], "...", max(dk), "logits equal", torch.equal(la[-1:], lb[-1:]))
+print("blocks256 vs blocks512:", max(float((x.keys - y.keys).abs().max()) for x, y in zip(a.layers, c.layers)))
+first_k = next((i for i, v in enumerate(dk) if v), None)
+print("first differing layer (K):", first_k)
 print("first differing layer (V):", next((i for i, v in enumerate(dv) if v), None))
-# which rows differ at that layer
-i = next((i for i, v in enumerate(d1) if v), None)
-if i is not None:
-    rows = ((a.layers[i].keys - b.layers[i].keys).abs().amax(dim=(0, 1, 3)) > 0).nonzero().flatten()
-    print("rows differing at layer", i, rows[:10].tolist(), "count", rows.numel())
+if first_k is not None:  # which rows differ at that layer
+    rows = ((a.layers[first_k].keys - b.layers[first_k].keys).abs().amax(dim=(0, 1, 3)) > 0).nonzero().flatten()
+    print("rows differing at layer", first_k, rows[:10].tolist(), "count", rows.numel())
