@@ -44,6 +44,9 @@ class VerifyCost:
         self.points[q] = ms if old is None else self.decay * old + (1 - self.decay) * ms
 
     def __call__(self, q: int, ctx: int | None = None) -> float:
+        return self.at(ctx)(q)
+
+    def _raw(self, q: int, ctx: int | None) -> float:
         base = _piecewise(self.points, q, float(q))  # no measurement: a cost proportional to size
         if ctx is None or not self.slope:
             return base
@@ -52,9 +55,23 @@ class VerifyCost:
     def _slope(self, q: int) -> float:
         return max(0.0, _piecewise(self.slope, q, 0.0, extrapolate=False)) if self.slope else 0.0
 
-    def at(self, ctx: int):
-        """This cost as a function of q alone, at a context of `ctx` cached tokens."""
-        return lambda q: self(q, ctx)
+    def at(self, ctx: int | None):
+        """This cost as a function of q alone, at a context of `ctx` cached tokens (None: the reference one).
+
+        Monotone in q: a forward of q rows is charged no more than one of more rows costs. A timing is a
+        minimum plus whatever else ran (a spike only adds time), and a spike in one point's average, or in a
+        slope measured at start and multiplied by thousands of cached tokens, would otherwise make a middle
+        size dearer than a larger one; the cost model would then avoid that size and never re-time it. So
+        each point is capped by the cheapest larger point at this context before interpolating."""
+        if not self.points:
+            return lambda q: self._raw(q, ctx)
+        qs = sorted(self.points)
+        env, low = {}, math.inf
+        for r in reversed(qs):
+            low = min(low, self._raw(r, ctx))
+            env[r] = low
+        top = qs[-1]
+        return lambda q: _piecewise(env, q, float(q)) if q <= top else max(env[top], self._raw(q, ctx))
 
 
 def _piecewise(points: dict[int, float], q: int, empty: float, extrapolate: bool = True) -> float:

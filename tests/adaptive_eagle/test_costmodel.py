@@ -141,6 +141,24 @@ def test_verify_cost_follows_the_context_length():
     assert VerifyCost({1: 10.0})(1, 5000) == 10.0  # no slope measured: the context does not matter
 
 
+def test_a_spike_never_makes_a_middle_size_dearer_than_a_larger_one():
+    """A timing spike only adds time: a point (or a slope, multiplied by thousands of cached tokens) above a larger
+    size's cost is capped by it, so the tree sizing does not avoid that size for good. Seen on the 2-core EPYC: 8
+    rows charged 113.7 ms and 16 rows 56.9 at 2,994 cached tokens, and trees of 5-13 nodes were never chosen."""
+    spiked = VerifyCost({1: 20.0, 8: 113.0, 17: 57.0})
+    assert spiked(8) == 57.0 and spiked(17) == 57.0 and spiked(1) == 20.0
+    assert spiked(4) == pytest.approx(20.0 + 3 / 7 * 37.0)  # interpolated under the cap, not towards the spike
+    assert spiked(20) >= spiked(17)
+    sloped = VerifyCost({1: 18.0, 8: 30.0, 17: 40.0}, slope={1: 0.003, 8: 0.03, 17: 0.006}, ref=64)
+    at = sloped.at(3064)
+    assert at(8) == pytest.approx(40.0 + 0.006 * 3000) == sloped(8, 3064)  # capped by 17 rows there
+    assert at(8) < 30.0 + 0.03 * 3000 and at(1) == pytest.approx(18.0 + 0.003 * 3000)
+    sizes = [at(q) for q in range(1, 30)]
+    assert all(b >= a - 1e-9 for a, b in zip(sizes, sizes[1:]))  # never cheaper for more rows
+    honest = VerifyCost({1: 10.0, 5: 30.0, 9: 50.0})  # already monotone: unchanged
+    assert [honest(q) for q in (1, 3, 7, 13)] == [10.0, 20.0, 40.0, 70.0]
+
+
 def test_the_plain_gate_decides_on_enough_steps_and_keeps_probing():
     from adaptive_eagle.costmodel import PlainGate
 
