@@ -96,6 +96,21 @@ def test_a_stable_rows_probe_is_made_once_per_kernel_shape_and_thread_count():
         stable_rows("bf16", 32, 24, 1)
 
 
+
+def test_a_linear_is_probed_when_it_is_built_not_in_its_first_forward():
+    """The probe would otherwise land inside a request: a fresh engine's first draft step took 240 ms instead of
+    ~5 ms, probing the draft head's shapes (2-core EPYC)."""
+    from adaptive_eagle.cpu_linear import Fp16PackedLinear, StableLinear, fbgemm_fp16_available
+
+    kinds = [StableLinear] + ([Fp16PackedLinear] if fbgemm_fp16_available() else [])
+    for make in kinds:
+        stable_rows.cache_clear()
+        lin = make(torch.nn.Linear(40, 24))
+        assert stable_rows.cache_info().misses == 1, make  # probed at construction
+        with torch.inference_mode():
+            lin(torch.randn(3, 40))
+        assert stable_rows.cache_info().misses == 1 and stable_rows.cache_info().hits >= 1, make
+
 MODEL_SHAPES = ((192, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576))  # SmolLM2-135M's linears
 
 
