@@ -203,7 +203,7 @@ def stable_rows(kernel: str, in_features: int, out_features: int, threads: int) 
 
 def _probe_now(kernel: str, in_features: int, out_features: int) -> None:
     """Probe a linear's shape when it is built (a model load, a head install), not at its first forward: there it
-    would land inside a request's decoding (a fresh engine's first draft step took 240 ms instead of ~2 probing the
+    would land inside a request's decoding (a fresh engine's first draft step took 240 ms instead of a few, probing the
     draft head's shapes on the 2-core EPYC). Cached per process; a forward under another thread count probes again."""
     stable_rows(kernel, in_features, out_features, torch.get_num_threads())
 
